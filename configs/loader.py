@@ -1,0 +1,104 @@
+"""Loading a run configuration: YAML file -> `--set` overrides -> validated `RunConfig`.
+
+`load_config` is the one way a config enters tandem (CLI, flows, tests). Every failure, from a
+YAML syntax error to an out-of-range field, raises `ConfigError` whose message names the field
+path and what is allowed, so the CLI can print it and exit 2 before anything is written.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from configs.schema import RunConfig
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be used; the message is meant for the person who wrote it."""
+
+
+def load_config(source: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Read YAML `source` (None: all defaults), apply `section.field=value` overrides, validate."""
+    data = read_yaml_mapping(Path(source)) if source is not None else {}
+    for override in overrides:
+        apply_override(data, override)
+    return validate_config(data)
+
+
+def read_yaml_mapping(path: Path) -> dict[str, Any]:
+    """Parse a YAML file that must hold a mapping of sections."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such config file") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"{path}: cannot read config file: {err}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML: {err}") from None
+    if data is None:
+        raise ConfigError(f"{path}: the config file is empty; expected a mapping of sections")
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"{path}: the config must be a mapping of sections, got a YAML {type(data).__name__}"
+        )
+    return data
+
+
+def apply_override(data: dict[str, Any], override: str) -> None:
+    """Set `a.b.c=value` in nested `data`; the value is parsed as a YAML scalar (`2`, `true`, `null`)."""
+    path, sep, raw_value = override.partition("=")
+    keys = path.strip().split(".")
+    if not sep or not all(keys):
+        raise ConfigError(f"--set {override!r}: expected section.field=value")
+    try:
+        value = yaml.safe_load(raw_value) if raw_value.strip() else ""
+    except yaml.YAMLError as err:
+        raise ConfigError(f"--set {override!r}: value is not a YAML scalar: {err}") from None
+    node = data
+    for depth, key in enumerate(keys[:-1]):
+        child = node.setdefault(key, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"--set {override!r}: {'.'.join(keys[: depth + 1])} is not a section")
+        node = child
+    node[keys[-1]] = value
+
+
+def validate_config(data: dict[str, Any]) -> RunConfig:
+    """Validate a raw mapping into a `RunConfig`, turning pydantic's errors into one readable message."""
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(describe_validation_error(err)) from None
+
+
+def describe_validation_error(err: ValidationError) -> str:
+    """One line per problem: `field.path: what is wrong (got X)`, unknown keys with the allowed ones."""
+    lines = [f"invalid config ({err.error_count()} problem{'s' * (err.error_count() > 1)}):"]
+    for problem in err.errors():
+        loc = [str(part) for part in problem["loc"]]
+        where = ".".join(loc) or "(top level)"
+        if problem["type"] == "extra_forbidden":
+            allowed = ", ".join(_allowed_keys(RunConfig, loc[:-1]))
+            lines.append(f"  {where}: unknown key; allowed here: {allowed}")
+            continue
+        message = problem["msg"].removeprefix("Value error, ")
+        shown = problem.get("input")
+        got = "" if isinstance(shown, dict) else f" (got {shown!r})"
+        lines.append(f"  {where}: {message}{got}")
+    return "\n".join(lines)
+
+
+def _allowed_keys(model: type[BaseModel], loc: list[str]) -> list[str]:
+    """The field names valid at `loc` inside `model`, for the unknown-key message."""
+    for key in loc:
+        field = model.model_fields.get(key)
+        annotation = field.annotation if field else None
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return []
+        model = annotation
+    return sorted(model.model_fields)

@@ -1,0 +1,240 @@
+"""The run configuration: one pydantic model per section, and `RunConfig` that holds them all.
+
+A run is described by one YAML file (configs/tiny.yaml is the embedded default) that loads into
+`RunConfig`; configs/loader.py reads the file and applies `--set` overrides. Every model forbids
+unknown keys, because a misspelt key that is silently ignored is the worst kind of config bug:
+the run goes ahead with a default the user thinks they changed. Field docstrings double as the
+JSON Schema descriptions (`tandem config schema`).
+
+This package imports nothing of tandem: every other layer may import it.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+
+RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+class Section(BaseModel):
+    """Base of every config section: unknown keys are errors, docstrings become descriptions."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+
+
+class ModelConfig(Section):
+    """The policy model: an HF directory, or a tiny random-init model built by the factory."""
+
+    path: str | None = None
+    """Local HF model directory to start from; null builds a tiny model from the fields below."""
+    architecture: Literal["llama", "qwen2"] = "llama"
+    """Architecture of the factory-built model (both load in transformers and SGLang)."""
+    hidden_size: int = Field(128, ge=8, le=8192)
+    """Width of the factory-built model."""
+    num_layers: int = Field(2, ge=1, le=96)
+    """Transformer blocks of the factory-built model."""
+    num_heads: int = Field(4, ge=1, le=128)
+    """Attention heads of the factory-built model (must divide hidden_size)."""
+    intermediate_size: int = Field(512, ge=8, le=65536)
+    """MLP width of the factory-built model."""
+    max_position_embeddings: int = Field(64, ge=16, le=131072)
+    """Longest sequence (prompt plus completion) the model handles."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Parameter dtype; float32 on CPU."""
+
+    @model_validator(mode="after")
+    def _heads_divide_width(self) -> ModelConfig:
+        if self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must divide hidden_size ({self.hidden_size})"
+            )
+        return self
+
+
+class EngineConfig(Section):
+    """The inference engines: tandem's CPU engine or real SGLang servers, same HTTP API."""
+
+    backend: Literal["cpu", "sglang"] = "cpu"
+    """`cpu`: tandem's own engine (laptops, CI); `sglang`: real SGLang servers (GPU machines)."""
+    host: str = "127.0.0.1"
+    """Address engines bind; loopback unless you mean to expose them."""
+    base_port: int = Field(30000, ge=1024, le=65000)
+    """Port of the first engine; engine i listens on base_port + i."""
+    api_key: SecretStr | None = None
+    """Bearer token every engine request must carry (SGLang's --api-key); null disables it."""
+    max_batch_size: int = Field(32, ge=1, le=1024)
+    """Most sequences the CPU engine decodes in one batch."""
+    request_timeout_s: float = Field(120.0, gt=0, le=3600)
+    """Client-side timeout of one /generate call."""
+    tp_size: int = Field(1, ge=1, le=64)
+    """Tensor-parallel size of each SGLang engine."""
+    mem_fraction_static: float = Field(0.8, gt=0, lt=1)
+    """Fraction of GPU memory SGLang reserves for weights and KV cache."""
+
+
+class GenerationConfig(Section):
+    """The generation side: how many engines, how episodes are sampled."""
+
+    engines: int = Field(1, ge=1, le=64)
+    """Engines (and generator processes) started by one generation run."""
+    samples_per_prompt: int = Field(8, ge=1, le=256)
+    """Group size n: samples per prompt, normalised together for the advantage."""
+    prompts_per_chunk: int = Field(4, ge=1, le=4096)
+    """Prompt groups in one Prefect task run (episodes inside fan out on Dask)."""
+    temperature: float = Field(1.0, ge=0, le=10)
+    """Sampling temperature; 0 is greedy."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling mass."""
+    top_k: int = Field(-1, ge=-1)
+    """Top-k cut-off; -1 disables it (SGLang's convention)."""
+    max_new_tokens: int = Field(16, ge=1, le=32768)
+    """Most tokens the model generates in one turn."""
+
+
+class TrainingConfig(Section):
+    """The trainer: optimizer, batch, and how often it publishes and checkpoints."""
+
+    steps: int = Field(40, ge=1, le=10_000_000)
+    """Optimizer steps of the RL phase; policy version V counts them."""
+    prompts_per_step: int = Field(16, ge=1, le=65536)
+    """Prompt groups in one training batch."""
+    lr: float = Field(1e-4, gt=0, le=1)
+    """AdamW learning rate of the RL phase."""
+    weight_decay: float = Field(0.0, ge=0, le=1)
+    """AdamW weight decay."""
+    grad_clip: float = Field(1.0, gt=0, le=1e6)
+    """Gradient-norm clipping threshold."""
+    clip_eps: float = Field(0.2, gt=0, le=10)
+    """PPO-clip epsilon of the token-level ratio."""
+    is_cap: float | None = Field(2.0, gt=0, le=1e6)
+    """Cap of the truncated importance weight against behaviour logprobs; null turns it off."""
+    kl_coef: float = Field(0.0, ge=0, le=100)
+    """Weight of the KL term against the initial policy; 0 disables it."""
+    entropy_coef: float = Field(0.0, ge=0, le=100)
+    """Weight of the entropy bonus; 0 disables it."""
+    warmup_steps: int = Field(55, ge=0, le=1_000_000)
+    """Supervised warm-start steps before RL (a random-init model gets no reward otherwise)."""
+    warmup_lr: float = Field(1e-3, gt=0, le=1)
+    """Learning rate of the supervised warm-start."""
+    publish_every: int = Field(1, ge=1, le=1_000_000)
+    """Publish a weight snapshot every this many steps."""
+    checkpoint_every: int = Field(10, ge=1, le=1_000_000)
+    """Write a resumable trainer checkpoint every this many steps."""
+
+
+class LagConfig(Section):
+    """The staleness bound between the trainer and the samples it trains on."""
+
+    max_lag: int = Field(2, ge=0, le=64)
+    """Most policy versions a trained-on sample may trail the trainer; 0 is synchronous."""
+
+
+class StorageConfig(Section):
+    """The run directory's object storage: file://, memory:// or s3:// through fsspec."""
+
+    root: str = "file://./runs"
+    """URL under which each run gets {root}/{run_id}/."""
+    endpoint_url: str | None = None
+    """S3 endpoint (MinIO, SeaweedFS, ...); null means AWS or $AWS_ENDPOINT_URL."""
+    key: SecretStr | None = None
+    """S3 access key; null reads $AWS_ACCESS_KEY_ID."""
+    secret: SecretStr | None = None
+    """S3 secret key; null reads $AWS_SECRET_ACCESS_KEY."""
+    retry_seconds: float = Field(30.0, ge=0, le=3600)
+    """How long a storage call keeps retrying transient errors before it gives up."""
+    keep_last_snapshots: int = Field(3, ge=1, le=10000)
+    """Retention: keep the newest this many weight snapshots."""
+    keep_every_snapshot: int = Field(10, ge=1, le=1_000_000)
+    """Retention: also keep every snapshot whose version is a multiple of this."""
+
+    @field_validator("root")
+    @classmethod
+    def _known_scheme(cls, root: str) -> str:
+        scheme = root.split("://", 1)[0] if "://" in root else ""
+        if scheme not in ("file", "memory", "s3"):
+            raise ValueError(f"root must start with file://, memory:// or s3://, got {root!r}")
+        return root.rstrip("/")
+
+
+class EnvConfig(Section):
+    """The environment: task, reward and prompts."""
+
+    entrypoint: str = "tasks.envs.calculator:CalculatorEnv"
+    """Import path `package.module:Class` of the environment."""
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments passed to the environment's constructor."""
+    max_turns: int = Field(2, ge=1, le=256)
+    """Most model turns in one episode."""
+    train_prompts: int = Field(2000, ge=1, le=100_000_000)
+    """Procedurally generated training prompts."""
+    eval_prompts: int = Field(200, ge=1, le=1_000_000)
+    """Held-out evaluation prompts, disjoint from the training prompts."""
+
+    @field_validator("entrypoint")
+    @classmethod
+    def _import_path(cls, entrypoint: str) -> str:
+        if not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", entrypoint):
+            raise ValueError(f"entrypoint must look like 'package.module:Class', got {entrypoint!r}")
+        return entrypoint
+
+
+class DaskConfig(Section):
+    """The Dask cluster that runs episodes, tool calls and rewards."""
+
+    address: str | None = None
+    """Scheduler address of an existing cluster; null starts a LocalCluster."""
+    n_workers: int = Field(2, ge=1, le=1024)
+    """Worker processes of the LocalCluster."""
+    threads_per_worker: int = Field(1, ge=1, le=256)
+    """Threads per LocalCluster worker."""
+
+
+class PrefectConfig(Section):
+    """How the flows run: in one process (embedded) or as deployments on two work pools."""
+
+    mode: Literal["local", "deployed"] = "local"
+    """`local`: both subflows in this process; `deployed`: children on their work pools."""
+    inference_pool: str = "inference"
+    """Work pool of the generation runs."""
+    training_pool: str = "training"
+    """Work pool of the training run."""
+
+
+class RunConfig(Section):
+    """A whole run: what `tandem run` takes and what {root}/{run_id}/config.json records."""
+
+    run_id: str = "tiny"
+    """Name of the run directory: letters, digits, `.`, `_`, `-`; at most 64 characters."""
+    seed: int = Field(0, ge=0, le=2**32 - 1)
+    """Seed of every random number generator of the run."""
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    """The policy model."""
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    """The inference engines."""
+    generation: GenerationConfig = Field(default_factory=GenerationConfig)
+    """The generation side."""
+    training: TrainingConfig = Field(default_factory=TrainingConfig)
+    """The trainer."""
+    lag: LagConfig = Field(default_factory=LagConfig)
+    """The staleness bound."""
+    storage: StorageConfig = Field(default_factory=StorageConfig)
+    """The run directory's object storage."""
+    env: EnvConfig = Field(default_factory=EnvConfig)
+    """The environment, reward and prompts."""
+    dask: DaskConfig = Field(default_factory=DaskConfig)
+    """The Dask cluster for episodes."""
+    prefect: PrefectConfig = Field(default_factory=PrefectConfig)
+    """How the flows are run."""
+
+    @field_validator("run_id")
+    @classmethod
+    def _safe_run_id(cls, run_id: str) -> str:
+        if not RUN_ID_PATTERN.fullmatch(run_id) or ".." in run_id:
+            raise ValueError(
+                "run_id must be 1-64 characters of letters, digits, '.', '_' or '-', start with a "
+                f"letter or digit and contain no '..', got {run_id!r}"
+            )
+        return run_id

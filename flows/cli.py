@@ -1,0 +1,111 @@
+"""The `tandem` command line: a thin layer over configs/, infra/ and the flows.
+
+Commands: `config show|schema` (inspect a run configuration), `storage up` (a local S3 server on
+loopback) and `init` (lay out a run directory with its config and the initial weight snapshot).
+Every command validates its config before it touches anything, so a bad config exits 2 having
+written nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Annotated, NoReturn
+
+import typer
+import yaml
+from rich.console import Console
+
+from configs import ConfigError, RunConfig, load_config
+
+app = typer.Typer(
+    help="tandem: agentic RL with inference and training scaled independently.",
+    no_args_is_help=True,
+    add_completion=False,
+)
+config_app = typer.Typer(help="Inspect run configurations.", no_args_is_help=True)
+storage_app = typer.Typer(help="Object storage helpers.", no_args_is_help=True)
+app.add_typer(config_app, name="config")
+app.add_typer(storage_app, name="storage")
+
+console = Console()
+err_console = Console(stderr=True)
+
+ConfigFile = Annotated[Path, typer.Argument(help="Run configuration YAML (e.g. configs/tiny.yaml).")]
+Overrides = Annotated[
+    list[str] | None,
+    typer.Option("--set", help="Override a field: section.field=value (repeatable)."),
+]
+
+
+def fail(message: str, code: int = 2) -> NoReturn:
+    """Print an error for a person and exit with `code` (2: bad input, 1: runtime failure)."""
+    err_console.print(f"[bold red]error:[/] {message}", highlight=False, markup=True)
+    raise typer.Exit(code)
+
+
+def resolve_config(config: Path | None, overrides: list[str] | None) -> RunConfig:
+    """Load and validate, or exit 2 with the field path and what is allowed."""
+    try:
+        return load_config(config, overrides or ())
+    except ConfigError as err:
+        fail(str(err))
+
+
+@config_app.command("show")
+def config_show(
+    config: ConfigFile,
+    overrides: Overrides = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of YAML.")] = False,
+) -> None:
+    """Print the resolved configuration (defaults filled in, overrides applied, secrets masked)."""
+    data = resolve_config(config, overrides).model_dump(mode="json")
+    typer.echo(json.dumps(data, indent=2) if as_json else yaml.safe_dump(data, sort_keys=False))
+
+
+@config_app.command("schema")
+def config_schema() -> None:
+    """Print the JSON Schema of a run configuration, with every field's description."""
+    typer.echo(json.dumps(RunConfig.model_json_schema(), indent=2))
+
+
+@storage_app.command("up")
+def storage_up(
+    data_dir: Annotated[Path, typer.Option("--dir", help="Directory that holds the data.")] = Path(
+        "./s3data"
+    ),
+    port: Annotated[
+        int, typer.Option(help="S3 port; the server also uses the next 8 ports.", min=1024, max=55000)
+    ] = 8333,
+) -> None:
+    """Serve S3 on 127.0.0.1 (SeaweedFS) until Ctrl-C or SIGTERM."""
+    from infra.seaweed import SeaweedServer
+
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    try:
+        server = SeaweedServer(data_dir.resolve(), port).start()
+    except (RuntimeError, TimeoutError, FileNotFoundError) as err:
+        fail(str(err), code=1)
+    console.print(f"S3 endpoint: [bold]{server.endpoint_url}[/] (data in {server.data_dir})")
+    console.print("any access key and secret work; Ctrl-C stops the server")
+    try:
+        while not stop.wait(0.5):
+            if server.process.poll() is not None:
+                fail(f"weed exited with code {server.process.returncode}", code=1)
+    finally:
+        server.stop()
+    console.print("S3 server stopped")
+
+
+def main() -> None:
+    """Entry point for `python -m flows.cli`."""
+    sys.exit(app())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,273 @@
+"""Object storage for run directories: one fsspec code path for file://, memory:// and s3://.
+
+`RunStore` is a run directory ({root}/{run_id}/) seen as a flat key space ("rollouts/v00000001/
+gen0-000003.parquet"). Everything above infra/ reads and writes through it and never learns which
+backend it is on. Two commit primitives carry the atomicity contract of DESIGN.md:
+
+- `write_atomic(key, data)`: readers see the old object or the new one, never a partial one
+  (S3 PUT is atomic per object; file:// writes a hidden temporary file and renames it).
+- `put_if_absent(key, data) -> bool`: creates the object only if no object has the key. On S3 this
+  is a conditional PUT (`IfNoneMatch="*"`), on file:// a hard link of a complete temporary file,
+  which fails if the name exists. It is the one primitive every backend makes atomic, so commits
+  and claims build on it rather than on rename, which S3 does not have.
+
+Every call retries transient errors (connection refused, timeouts, 5xx) with exponential backoff
+for up to `retry_seconds`, so a storage outage of a few seconds stalls a run instead of killing
+it. Names that start with "." are temporaries of an unfinished write and are never listed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+import fsspec
+from botocore.exceptions import BotoCoreError, ClientError
+
+from configs.schema import StorageConfig
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+PERMANENT_ERRORS = (
+    FileNotFoundError,
+    FileExistsError,
+    PermissionError,
+    IsADirectoryError,
+    NotADirectoryError,
+    ValueError,
+    TypeError,
+)
+_MEMORY_LOCK = threading.Lock()
+
+
+class StorageUnavailable(RuntimeError):
+    """Storage kept failing for longer than `retry_seconds`."""
+
+
+def is_precondition_failure(err: BaseException) -> bool:
+    """True when S3 refused a conditional PUT because the key already exists."""
+    cause = err.__cause__ if isinstance(err.__cause__, ClientError) else err
+    if isinstance(cause, ClientError):
+        return cause.response.get("Error", {}).get("Code") in ("PreconditionFailed", "412")
+    return "pre-conditions" in str(err)
+
+
+class RunStore:
+    """A run directory on object storage, addressed by keys relative to {root}/{run_id}."""
+
+    def __init__(self, fs: fsspec.AbstractFileSystem, base: str, url: str, retry_seconds: float):
+        self.fs = fs
+        self.base = base.rstrip("/")
+        self.url = url.rstrip("/")
+        self.retry_seconds = retry_seconds
+        self.protocol = "s3" if url.startswith("s3://") else url.split("://", 1)[0]
+
+    def __repr__(self) -> str:
+        return f"RunStore({self.url!r})"
+
+    # -- addressing -------------------------------------------------------------------------
+
+    def path(self, key: str) -> str:
+        """The backend path of `key` (what fsspec calls are given)."""
+        return f"{self.base}/{key}" if key else self.base
+
+    def url_of(self, key: str) -> str:
+        """The full URL of `key`, for messages and for users."""
+        return f"{self.url}/{key}" if key else self.url
+
+    def local_path(self, key: str) -> Path | None:
+        """The key's path on the local disk when the store is file://, else None."""
+        return Path(self.path(key)) if self.protocol == "file" else None
+
+    # -- reads ------------------------------------------------------------------------------
+
+    def read_bytes(self, key: str) -> bytes:
+        """The whole object; FileNotFoundError if there is none."""
+        return self._retry(self.fs.cat_file, self.path(key))
+
+    def exists(self, key: str) -> bool:
+        return self._retry(self.fs.exists, self.path(key))
+
+    def size(self, key: str) -> int:
+        return self._retry(self.fs.size, self.path(key))
+
+    def list(self, prefix: str) -> list[str]:
+        """Keys directly under `prefix` (files and sub-prefixes), sorted; [] if there are none."""
+        try:
+            entries = self._retry(self.fs.ls, self.path(prefix), detail=False)
+        except FileNotFoundError:
+            return []
+        keys = [self._key_of(entry) for entry in entries]
+        return sorted(k for k in keys if not k.rsplit("/", 1)[-1].startswith(".") and k != prefix)
+
+    def list_recursive(self, prefix: str) -> list[str]:
+        """Every object key below `prefix`, sorted."""
+        try:
+            entries = self._retry(self.fs.find, self.path(prefix))
+        except FileNotFoundError:
+            return []
+        keys = [self._key_of(entry) for entry in entries]
+        return sorted(k for k in keys if k and "/." not in f"/{k}")
+
+    def download(self, key: str, local: Path) -> None:
+        """Copy one object to a local file."""
+        local.parent.mkdir(parents=True, exist_ok=True)
+        self._retry(self.fs.get_file, self.path(key), str(local))
+
+    # -- writes -----------------------------------------------------------------------------
+
+    def write_atomic(self, key: str, data: bytes) -> None:
+        """Create or replace `key` so that readers see either the old or the new bytes."""
+        if self.protocol == "file":
+            self._retry(self._write_local, key, data, replace=True)
+        else:
+            self._retry(self.fs.pipe_file, self.path(key), data)
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        """Create `key` with `data` unless it exists. Returns False (and writes nothing) if it did.
+
+        A retry after a lost response may find the object that its own first attempt created;
+        it then returns False, which callers treat as "already committed" (writes are idempotent).
+        """
+        if self.protocol == "file":
+            return self._retry(self._write_local, key, data, replace=False)
+        if self.protocol == "s3":
+            return self._retry(self._put_if_absent_s3, key, data)
+        with _MEMORY_LOCK:
+            if self.fs.exists(self.path(key)):
+                return False
+            self.fs.pipe_file(self.path(key), data)
+            return True
+
+    def upload(self, local: Path, key: str) -> None:
+        """Copy a local file to `key` (not a commit by itself: a manifest written last is)."""
+        if self.protocol == "file":
+            target = Path(self.path(key))
+            target.parent.mkdir(parents=True, exist_ok=True)
+        self._retry(self.fs.put_file, str(local), self.path(key))
+
+    def delete(self, key: str) -> None:
+        """Remove one object; a missing one is not an error."""
+        try:
+            self._retry(self.fs.rm_file, self.path(key))
+        except FileNotFoundError:
+            pass
+
+    def delete_prefix(self, prefix: str) -> None:
+        """Remove every object below `prefix`."""
+        for key in self.list_recursive(prefix):
+            self.delete(key)
+        if self.protocol == "file" and Path(self.path(prefix)).is_dir():
+            _remove_empty_dirs(Path(self.path(prefix)))
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _key_of(self, path: str) -> str:
+        path = path.split("://", 1)[-1] if self.protocol != "file" else path
+        base = self.base.split("://", 1)[-1] if self.protocol != "file" else self.base
+        return path[len(base) :].strip("/")
+
+    def _write_local(self, key: str, data: bytes, *, replace: bool) -> bool:
+        target = Path(self.path(key))
+        target.parent.mkdir(parents=True, exist_ok=True)
+        temp = target.with_name(f".{target.name}.{uuid.uuid4().hex}.tmp")
+        try:
+            with open(temp, "wb") as handle:
+                handle.write(data)
+                handle.flush()
+                os.fsync(handle.fileno())
+            if replace:
+                os.replace(temp, target)
+                return True
+            try:
+                os.link(temp, target)
+            except FileExistsError:
+                return False
+            return True
+        finally:
+            temp.unlink(missing_ok=True)
+
+    def _put_if_absent_s3(self, key: str, data: bytes) -> bool:
+        bucket, _, object_key = self.path(key).partition("/")
+        try:
+            self.fs.call_s3("put_object", Bucket=bucket, Key=object_key, Body=data, IfNoneMatch="*")
+        except OSError as err:
+            if is_precondition_failure(err):
+                return False
+            raise
+        return True
+
+    def _retry(self, call: Callable[..., T], *args, **kwargs) -> T:
+        deadline = time.monotonic() + self.retry_seconds
+        delay = 0.1
+        while True:
+            try:
+                return call(*args, **kwargs)
+            except PERMANENT_ERRORS:
+                raise
+            except (OSError, BotoCoreError, ClientError, TimeoutError) as err:
+                if isinstance(err, OSError) and is_precondition_failure(err):
+                    raise
+                if time.monotonic() + delay > deadline:
+                    raise StorageUnavailable(
+                        f"storage at {self.url} failed for {self.retry_seconds:.0f}s: {err}"
+                    ) from err
+                log.warning("storage error on %s, retrying in %.1fs: %s", self.url, delay, err)
+                time.sleep(delay)
+                delay = min(delay * 2, 2.0)
+
+
+def open_run_store(storage: StorageConfig, run_id: str) -> RunStore:
+    """The `RunStore` of run `run_id` under `storage.root`, creating the S3 bucket if needed."""
+    scheme, _, rest = storage.root.partition("://")
+    if scheme == "file":
+        base = os.path.abspath(os.path.expanduser(rest))
+        fs = fsspec.filesystem("file")
+        url = f"file://{base}/{run_id}"
+        return RunStore(fs, f"{base}/{run_id}", url, storage.retry_seconds)
+    if scheme == "memory":
+        fs = fsspec.filesystem("memory")
+        return RunStore(fs, f"/{rest.strip('/')}/{run_id}", f"memory://{rest.strip('/')}/{run_id}", 0)
+    fs = s3_filesystem(storage)
+    bucket = rest.strip("/").split("/", 1)[0]
+    if not bucket:
+        raise ValueError(f"storage.root {storage.root!r} names no bucket")
+    store = RunStore(fs, f"{rest.strip('/')}/{run_id}", f"s3://{rest.strip('/')}/{run_id}", storage.retry_seconds)
+    if not store._retry(fs.exists, bucket):
+        log.info("creating bucket %s", bucket)
+        store._retry(fs.mkdir, bucket)
+    return store
+
+
+def s3_filesystem(storage: StorageConfig) -> fsspec.AbstractFileSystem:
+    """An s3fs filesystem with listing caches off (readers must see new shards at once) and
+    botocore's own retries cut to one attempt, so that `RunStore._retry` owns the backoff."""
+    key = storage.key.get_secret_value() if storage.key else os.environ.get("AWS_ACCESS_KEY_ID")
+    secret = (
+        storage.secret.get_secret_value() if storage.secret else os.environ.get("AWS_SECRET_ACCESS_KEY")
+    )
+    endpoint = storage.endpoint_url or os.environ.get("AWS_ENDPOINT_URL")
+    return fsspec.filesystem(
+        "s3",
+        key=key,
+        secret=secret,
+        endpoint_url=endpoint,
+        use_listings_cache=False,
+        skip_instance_cache=True,
+        config_kwargs={"connect_timeout": 5, "read_timeout": 60, "retries": {"max_attempts": 2}},
+    )
+
+
+def _remove_empty_dirs(top: Path) -> None:
+    for directory in sorted((p for p in top.rglob("*") if p.is_dir()), reverse=True):
+        if not any(directory.iterdir()):
+            directory.rmdir()
+    if top.is_dir() and not any(top.iterdir()):
+        top.rmdir()

@@ -1,0 +1,124 @@
+"""Run configuration: shipped YAML files validate, overrides apply, bad configs exit 2 naming the field."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from configs import CONFIG_DIR, ConfigError, RunConfig, load_config
+from flows.cli import app
+
+runner = CliRunner()
+
+
+@pytest.mark.parametrize("path", sorted(CONFIG_DIR.glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_yaml_validates(path: Path):
+    config = load_config(path)
+    assert isinstance(config, RunConfig)
+
+
+def test_overrides_are_parsed_as_yaml_scalars():
+    config = load_config(
+        CONFIG_DIR / "tiny.yaml",
+        ["lag.max_lag=4", "training.lr=3e-4", "dask.address=null", "engine.api_key=abc", "run_id=r7"],
+    )
+    assert config.lag.max_lag == 4
+    assert config.training.lr == pytest.approx(3e-4)
+    assert config.dask.address is None
+    assert config.engine.api_key.get_secret_value() == "abc"
+    assert config.run_id == "r7"
+
+
+def test_every_field_has_a_description():
+    def walk(schema: dict, defs: dict, where: str):
+        for name, prop in schema.get("properties", {}).items():
+            assert prop.get("description"), f"{where}.{name} has no docstring"
+            ref = prop.get("$ref")
+            if ref:
+                walk(defs[ref.rsplit("/", 1)[-1]], defs, f"{where}.{name}")
+
+    schema = RunConfig.model_json_schema()
+    walk(schema, schema["$defs"], "config")
+
+
+def test_secrets_are_masked_when_dumped():
+    config = load_config(None, ["storage.key=AKIAEXAMPLE", "storage.secret=s3cr3t", "engine.api_key=k3y"])
+    dumped = config.model_dump_json()
+    assert "AKIAEXAMPLE" not in dumped and "s3cr3t" not in dumped and "k3y" not in dumped
+    assert "AKIAEXAMPLE" not in repr(config)
+
+
+BAD_CONFIGS = [
+    # (yaml text, overrides, text the message must contain)
+    ("lag:\n  max_lag: -1\n", [], "lag.max_lag"),
+    ("lag:\n  max_lag: two\n", [], "lag.max_lag"),
+    ("lag:\n  max_lagg: 1\n", [], "lag.max_lagg: unknown key; allowed here: max_lag"),
+    ("bogus_section: {}\n", [], "bogus_section: unknown key"),
+    ("", [], "empty"),
+    ("- a\n- b\n", [], "mapping"),
+    ("run_id: ../x\n", [], "run_id"),
+    ("run_id: a/b\n", [], "run_id"),
+    (f"run_id: {'r' * 65}\n", [], "run_id"),
+    ("engine:\n  backend: tpu\n", [], "engine.backend: Input should be 'cpu' or 'sglang'"),
+    ("generation:\n  temperature: -0.5\n", [], "generation.temperature"),
+    ("storage:\n  root: ftp://host/x\n", [], "storage.root"),
+    ("model:\n  hidden_size: 100\n  num_heads: 3\n", [], "num_heads (3) must divide hidden_size"),
+    ("training: 5\n", [], "training"),
+    ("lag: [1, 2]\n", [], "lag"),
+    ("env:\n  entrypoint: not an import path\n", [], "env.entrypoint"),
+    ("seed: 1\n", ["lag.max_lag"], "expected section.field=value"),
+    ("seed: 1\n", ["seed.x=1"], "seed is not a section"),
+    ("training: {lr: 0}\n", [], "training.lr"),
+    ("key: [unclosed\n", [], "not valid YAML"),
+]
+
+
+@pytest.mark.parametrize("text,overrides,expected", BAD_CONFIGS, ids=[c[2][:30] for c in BAD_CONFIGS])
+def test_bad_config_exits_2_naming_the_field(tmp_path: Path, text, overrides, expected):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=None) as caught:
+        load_config(path, overrides)
+    assert expected in str(caught.value)
+    args = ["config", "show", str(path)] + [f"--set={o}" for o in overrides]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2
+    assert expected in result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.yaml"], "a bad config wrote something"
+
+
+def test_missing_config_file_exits_2(tmp_path: Path):
+    result = runner.invoke(app, ["config", "show", str(tmp_path / "nope.yaml")])
+    assert result.exit_code == 2
+    assert "no such config file" in result.output
+
+
+def test_config_show_prints_the_resolved_config_as_json():
+    result = runner.invoke(app, ["config", "show", str(CONFIG_DIR / "tiny.yaml"), "--json", "--set", "lag.max_lag=3"])
+    assert result.exit_code == 0, result.output
+    shown = json.loads(result.output)
+    assert shown["lag"]["max_lag"] == 3
+    assert shown["training"]["publish_every"] == 1
+
+
+def test_config_schema_is_json_schema_with_descriptions():
+    result = runner.invoke(app, ["config", "schema"])
+    assert result.exit_code == 0
+    schema = json.loads(result.output)
+    assert schema["additionalProperties"] is False
+    assert "max_lag" in schema["$defs"]["LagConfig"]["properties"]
+
+
+def test_console_script_exit_code_is_2_for_a_bad_config(tmp_path: Path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("lag:\n  max_lag: two\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "config", "show", str(path)], capture_output=True, text=True
+    )
+    assert done.returncode == 2
+    assert "lag.max_lag" in done.stderr

@@ -1,0 +1,168 @@
+"""RunStore against real backends: commit primitives, listing, retries, and the local S3 server."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import fsspec
+import pytest
+
+from configs.schema import StorageConfig
+from infra.seaweed import SeaweedServer, free_port_block
+from infra.storage import RunStore, StorageUnavailable, open_run_store
+from tests.conftest import s3_storage_config
+
+
+def test_put_if_absent_creates_once(store: RunStore):
+    assert store.put_if_absent("a/b.json", b"first") is True
+    assert store.put_if_absent("a/b.json", b"second") is False
+    assert store.read_bytes("a/b.json") == b"first"
+
+
+def test_write_atomic_replaces(store: RunStore):
+    store.write_atomic("LATEST", b'{"version": 1}')
+    store.write_atomic("LATEST", b'{"version": 2}')
+    assert store.read_bytes("LATEST") == b'{"version": 2}'
+    assert store.list("") == ["LATEST"]
+
+
+def test_concurrent_put_if_absent_has_exactly_one_winner(store: RunStore):
+    with ThreadPoolExecutor(8) as pool:
+        wins = list(pool.map(lambda i: store.put_if_absent("claim", str(i).encode()), range(16)))
+    assert wins.count(True) == 1
+    assert store.read_bytes("claim") == str(wins.index(True)).encode()
+
+
+def test_listing_is_sorted_and_relative(store: RunStore):
+    for name in ["v2/b", "v1/a", "v1/c"]:
+        store.write_atomic(f"rollouts/{name}", b"x")
+    assert store.list("rollouts") == ["rollouts/v1", "rollouts/v2"]
+    assert store.list("rollouts/v1") == ["rollouts/v1/a", "rollouts/v1/c"]
+    assert store.list_recursive("rollouts") == ["rollouts/v1/a", "rollouts/v1/c", "rollouts/v2/b"]
+    assert store.list("nothing/here") == []
+    assert not store.exists("rollouts/v3/a")
+
+
+def test_delete_prefix_removes_everything_below(store: RunStore):
+    for name in ["w/v1/a", "w/v1/b", "w/v2/a"]:
+        store.write_atomic(name, b"x")
+    store.delete_prefix("w/v1")
+    assert store.list_recursive("w") == ["w/v2/a"]
+    store.delete("w/v2/a")
+    store.delete("w/v2/a")  # deleting twice is not an error
+    assert store.list_recursive("") == []
+
+
+def test_missing_key_raises_file_not_found_without_retrying(store: RunStore):
+    started = time.monotonic()
+    with pytest.raises(FileNotFoundError):
+        store.read_bytes("absent")
+    assert time.monotonic() - started < store.retry_seconds
+
+
+def test_upload_and_download_round_trip(store: RunStore, tmp_path: Path):
+    source = tmp_path / "blob.bin"
+    source.write_bytes(os.urandom(3_000_000))
+    store.upload(source, "weights/v00000000/model.safetensors")
+    copy = tmp_path / "copy" / "model.safetensors"
+    store.download("weights/v00000000/model.safetensors", copy)
+    assert copy.read_bytes() == source.read_bytes()
+
+
+def test_file_store_hides_temporaries_of_unfinished_writes(file_store: RunStore):
+    file_store.write_atomic("rollouts/v1/a.parquet", b"done")
+    Path(file_store.path("rollouts/v1/.b.parquet.1234.tmp")).write_bytes(b"half")
+    assert file_store.list("rollouts/v1") == ["rollouts/v1/a.parquet"]
+    assert file_store.list_recursive("rollouts") == ["rollouts/v1/a.parquet"]
+
+
+def test_memory_store_has_the_same_primitives():
+    store = open_run_store(StorageConfig(root="memory://unit"), f"run-{os.getpid()}-{time.time_ns()}")
+    assert store.put_if_absent("k", b"1") and not store.put_if_absent("k", b"2")
+    store.write_atomic("k", b"3")
+    assert store.read_bytes("k") == b"3" and store.list("") == ["k"]
+
+
+def test_file_root_is_resolved_to_an_absolute_url(tmp_path: Path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    store = open_run_store(StorageConfig(root="file://./runs"), "r1")
+    assert store.url == f"file://{tmp_path}/runs/r1"
+
+
+@pytest.mark.s3
+def test_s3_bucket_is_created_on_open(seaweed: SeaweedServer):
+    config = s3_storage_config(seaweed)
+    store = open_run_store(config, "r1")
+    store.write_atomic("x", b"1")
+    bucket = config.root.removeprefix("s3://").split("/")[0]
+    fs = fsspec.filesystem("s3", key="k", secret="s", endpoint_url=seaweed.endpoint_url, skip_instance_cache=True)
+    assert fs.cat_file(f"{bucket}/runs/r1/x") == b"1"
+
+
+@pytest.mark.s3
+@pytest.mark.slow
+def test_outage_longer_than_retry_budget_fails_clearly_without_leaking_credentials(tmp_path: Path):
+    server = SeaweedServer(tmp_path / "sw", free_port_block()).start()
+    config = s3_storage_config(server, key="AKIALEAKCHECK", secret="leak-check-secret", retry_seconds=2.0)
+    store = open_run_store(config, "r1")
+    store.write_atomic("x", b"1")
+    server.stop()
+    started = time.monotonic()
+    with pytest.raises(StorageUnavailable) as caught:
+        store.read_bytes("x")
+    assert time.monotonic() - started < 15
+    message = str(caught.value)
+    assert store.url in message
+    assert "AKIALEAKCHECK" not in message and "leak-check-secret" not in message
+
+
+@pytest.mark.s3
+@pytest.mark.slow
+def test_reads_and_writes_survive_a_short_outage(tmp_path: Path):
+    port = free_port_block()
+    server = SeaweedServer(tmp_path / "sw", port).start()
+    store = open_run_store(s3_storage_config(server, retry_seconds=30.0), "r1")
+    store.write_atomic("before", b"1")
+    server.stop()
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(store.put_if_absent, "during", b"2")
+        time.sleep(3)
+        assert not pending.done()
+        server = SeaweedServer(tmp_path / "sw", port).start()
+        assert pending.result(timeout=60) is True
+    try:
+        assert store.read_bytes("before") == b"1" and store.read_bytes("during") == b"2"
+    finally:
+        server.stop()
+
+
+@pytest.mark.s3
+@pytest.mark.slow
+def test_storage_up_serves_s3_and_stops_on_sigterm(tmp_path: Path):
+    port = free_port_block()
+    env = os.environ | {"PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "flows.cli", "storage", "up", "--dir", str(tmp_path / "d"), "--port", str(port)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+    )  # fmt: skip
+    try:
+        first_line = proc.stdout.readline()
+        assert f"http://127.0.0.1:{port}" in first_line
+        fs = fsspec.filesystem("s3", key="k", secret="s", endpoint_url=f"http://127.0.0.1:{port}", skip_instance_cache=True)
+        fs.mkdir("cli-bucket")
+        fs.pipe_file("cli-bucket/x", b"hello")
+        assert fs.cat_file("cli-bucket/x") == b"hello"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        assert "S3 server stopped" in proc.stdout.read()
+        assert not SeaweedServer(tmp_path / "d", port).is_serving()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
