@@ -28,8 +28,10 @@ app = typer.Typer(
 )
 config_app = typer.Typer(help="Inspect run configurations.", no_args_is_help=True)
 storage_app = typer.Typer(help="Object storage helpers.", no_args_is_help=True)
+engine_app = typer.Typer(help="Inference engines.", no_args_is_help=True)
 app.add_typer(config_app, name="config")
 app.add_typer(storage_app, name="storage")
+app.add_typer(engine_app, name="engine")
 
 console = Console()
 err_console = Console(stderr=True)
@@ -100,6 +102,27 @@ def storage_up(
     finally:
         server.stop()
     console.print("S3 server stopped")
+
+
+@engine_app.command("serve")
+def engine_serve(
+    model: Annotated[Path, typer.Option(help="HF model directory to serve.", exists=True, file_okay=False)],
+    port: Annotated[int, typer.Option(help="Port to listen on.", min=1, max=65535)] = 30000,
+    host: Annotated[str, typer.Option(help="Address to bind; loopback unless you mean to expose it.")] = "127.0.0.1",
+    api_key: Annotated[
+        str | None,
+        typer.Option(envvar="TANDEM_ENGINE_API_KEY", help="Require this Bearer token (or set the env var)."),
+    ] = None,
+    max_batch_size: Annotated[int, typer.Option(help="Most sequences decoded together.", min=1, max=1024)] = 32,
+    weight_version: Annotated[str, typer.Option(help="Weight version reported until the first update.")] = "0",
+) -> None:
+    """Serve a model with tandem's CPU engine behind SGLang's native HTTP API."""
+    import logging
+
+    from infra.engines.server import serve
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    serve(str(model), host=host, port=port, api_key=api_key, max_batch_size=max_batch_size, weight_version=weight_version)
 
 
 def main() -> None:

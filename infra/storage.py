@@ -99,7 +99,10 @@ class RunStore:
         return self._retry(self.fs.size, self.path(key))
 
     def list(self, prefix: str) -> list[str]:
-        """Keys directly under `prefix` (files and sub-prefixes), sorted; [] if there are none."""
+        """Keys directly under `prefix` (files and sub-prefixes), sorted; [] if there are none.
+
+        A sub-prefix whose objects were all deleted may still be listed on SeaweedFS, which keeps
+        empty directories: callers look for the objects they need inside, never at the prefix."""
         try:
             entries = self._retry(self.fs.ls, self.path(prefix), detail=False)
         except FileNotFoundError:

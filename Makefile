@@ -1,0 +1,32 @@
+# Two commands on a fresh machine with Python 3.11 and pip: `make run` and `make test`.
+# torch==2.13.0 goes in first: a CPU build, and any other version would pull a multi-GB CUDA one.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install run test test-fast clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+## Install, then run the embedded default (configs/tiny.yaml) end to end on this machine.
+run: install
+	$(BIN)/tandem init configs/tiny.yaml
+
+## Install, then run the whole test suite (real SeaweedFS and engines on loopback).
+test: install
+	$(BIN)/pytest; code=$$?; [ $$code -ne 5 ] || echo "pytest collected no tests: failing" >&2; exit $$code
+
+## The tests that start no server.
+test-fast: install
+	$(BIN)/pytest -m "not s3 and not slow and not deployed and not browser"
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

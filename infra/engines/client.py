@@ -1,0 +1,231 @@
+"""The rollout side's view of inference: one async client over N engines (CPU or SGLang).
+
+`EngineClient` sends each /generate to the healthy engine with the fewest outstanding requests:
+with long-tailed agentic episodes, round-robin piles requests behind one slow engine, while
+least-outstanding keeps every engine's batch equally full. A request that fails on a connection
+error, timeout or 5xx marks its engine unhealthy (out of rotation) and is retried on another one
+with backoff; a background probe of /health brings the engine back when it answers again. A 4xx
+is the caller's mistake and is raised at once, never retried.
+
+`update_weights` moves every engine to a new snapshot with SGLang's documented order (pause ->
+update_weights_from_disk -> continue), each engine under its own timeout, and reports which
+engine is on which weight version, so one stuck engine cannot hang a weight sync.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from dataclasses import dataclass
+
+import httpx
+
+from infra.engines.api import SamplingParams
+
+log = logging.getLogger(__name__)
+RETRYABLE_STATUS = frozenset({500, 502, 503, 504})
+
+
+class EngineRequestError(RuntimeError):
+    """An engine refused a request (4xx): retrying it elsewhere would not help."""
+
+    def __init__(self, status: int, detail: str):
+        super().__init__(f"engine answered {status}: {detail}")
+        self.status = status
+
+
+class NoHealthyEngine(RuntimeError):
+    """Every engine failed for longer than the client's retry budget."""
+
+
+@dataclass(eq=False)
+class Endpoint:
+    """One engine as the client sees it."""
+
+    url: str
+    outstanding: int = 0
+    healthy: bool = True
+    weight_version: str | None = None
+    completed: int = 0
+    failures: int = 0
+
+
+@dataclass
+class WeightSyncResult:
+    """How one engine's update went."""
+
+    url: str
+    ok: bool
+    weight_version: str | None
+    message: str
+
+
+class EngineClient:
+    """Least-outstanding balancing, health-based rotation and retries over engine URLs."""
+
+    def __init__(
+        self,
+        urls: list[str],
+        api_key: str | None = None,
+        request_timeout: float = 120.0,
+        retry_seconds: float = 60.0,
+        health_interval: float = 0.5,
+    ):
+        if not urls:
+            raise ValueError("EngineClient needs at least one engine URL")
+        self.endpoints = [Endpoint(url.rstrip("/")) for url in urls]
+        self.retry_seconds = retry_seconds
+        self.health_interval = health_interval
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.http = httpx.AsyncClient(
+            headers=headers,
+            timeout=httpx.Timeout(request_timeout, connect=2.0),
+            limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256),
+        )
+        self._prober: asyncio.Task | None = None
+
+    async def __aenter__(self) -> EngineClient:
+        self._prober = asyncio.create_task(self._probe_unhealthy())
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._prober:
+            self._prober.cancel()
+        await self.http.aclose()
+
+    # -- generation -------------------------------------------------------------------------
+
+    async def generate(
+        self, input_ids: list[int], sampling_params: SamplingParams, return_logprob: bool = True, rid: str | None = None
+    ) -> list[dict]:
+        """Generate `sampling_params.n` samples for one prompt; always returns a list of n results."""
+        body = {
+            "input_ids": input_ids,
+            "sampling_params": sampling_params.model_dump(exclude_none=True),
+            "return_logprob": return_logprob,
+        }
+        if rid:
+            body["rid"] = rid
+        answer = await self._post_balanced("/generate", body)
+        return answer if isinstance(answer, list) else [answer]
+
+    async def _post_balanced(self, path: str, body: dict):
+        deadline = asyncio.get_running_loop().time() + self.retry_seconds
+        delay = 0.05
+        while True:
+            endpoint = self._pick()
+            if endpoint is not None:
+                endpoint.outstanding += 1
+                try:
+                    response = await self.http.post(endpoint.url + path, json=body)
+                    if response.status_code < 400:
+                        endpoint.completed += 1
+                        return response.json()
+                    if response.status_code not in RETRYABLE_STATUS:
+                        raise EngineRequestError(response.status_code, response.text[:500])
+                    self._mark_unhealthy(endpoint, f"HTTP {response.status_code}")
+                except httpx.TransportError as err:
+                    self._mark_unhealthy(endpoint, repr(err))
+                finally:
+                    endpoint.outstanding -= 1
+            if asyncio.get_running_loop().time() + delay > deadline:
+                raise NoHealthyEngine(f"no engine answered {path} within {self.retry_seconds}s: {self.status()}")
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 1.0)
+
+    def _pick(self) -> Endpoint | None:
+        healthy = [e for e in self.endpoints if e.healthy]
+        if not healthy:
+            return None
+        fewest = min(e.outstanding for e in healthy)
+        return random.choice([e for e in healthy if e.outstanding == fewest])
+
+    def _mark_unhealthy(self, endpoint: Endpoint, reason: str) -> None:
+        endpoint.failures += 1
+        if endpoint.healthy:
+            log.warning("engine %s out of rotation: %s", endpoint.url, reason)
+        endpoint.healthy = False
+        if self._prober is None or self._prober.done():
+            self._prober = asyncio.create_task(self._probe_unhealthy())
+
+    async def _probe_unhealthy(self) -> None:
+        """Bring engines back into rotation once their /health answers again."""
+        while True:
+            for endpoint in [e for e in self.endpoints if not e.healthy]:
+                if await self.is_healthy(endpoint.url):
+                    endpoint.weight_version = await self._weight_version(endpoint.url)
+                    endpoint.healthy = True
+                    log.info("engine %s back in rotation (weights %s)", endpoint.url, endpoint.weight_version)
+            await asyncio.sleep(self.health_interval)
+
+    async def is_healthy(self, url: str) -> bool:
+        try:
+            response = await self.http.get(url + "/health", timeout=2.0)
+        except httpx.TransportError:
+            return False
+        return response.status_code == 200
+
+    async def _weight_version(self, url: str) -> str | None:
+        try:
+            response = await self.http.get(url + "/model_info", timeout=5.0)
+            return response.json().get("weight_version") if response.status_code == 200 else None
+        except (httpx.TransportError, ValueError):
+            return None
+
+    # -- control ----------------------------------------------------------------------------
+
+    async def update_weights(
+        self, model_path: str, weight_version: str, timeout: float = 120.0, pause_mode: str = "in_place"
+    ) -> list[WeightSyncResult]:
+        """Pause, load and continue every healthy engine concurrently, each within `timeout` s."""
+        targets = [e for e in self.endpoints if e.healthy]
+        return list(
+            await asyncio.gather(*(self._update_one(e, model_path, weight_version, timeout, pause_mode) for e in targets))
+        )
+
+    async def _update_one(
+        self, endpoint: Endpoint, model_path: str, weight_version: str, timeout: float, pause_mode: str
+    ) -> WeightSyncResult:
+        async def sequence() -> WeightSyncResult:
+            await self._control(endpoint, "/pause_generation", {"mode": pause_mode})
+            try:
+                response = await self.http.post(
+                    endpoint.url + "/update_weights_from_disk",
+                    json={"model_path": model_path, "weight_version": weight_version},
+                    timeout=timeout,
+                )
+                answer = response.json()
+            finally:
+                await self._control(endpoint, "/continue_generation", {})
+            if response.status_code == 200 and answer.get("success"):
+                endpoint.weight_version = weight_version
+            return WeightSyncResult(endpoint.url, bool(answer.get("success")), endpoint.weight_version, answer.get("message", ""))
+
+        try:
+            return await asyncio.wait_for(sequence(), timeout)
+        except (TimeoutError, httpx.HTTPError, ValueError) as err:
+            self._mark_unhealthy(endpoint, f"weight update failed: {err!r}")
+            return WeightSyncResult(endpoint.url, False, endpoint.weight_version, f"failed: {err!r}")
+
+    async def _control(self, endpoint: Endpoint, path: str, body: dict) -> None:
+        response = await self.http.post(endpoint.url + path, json=body, timeout=30.0)
+        if response.status_code >= 400:
+            raise EngineRequestError(response.status_code, response.text[:500])
+
+    async def abort_all(self) -> None:
+        await asyncio.gather(
+            *(self._control(e, "/abort_request", {"abort_all": True}) for e in self.endpoints if e.healthy),
+            return_exceptions=True,
+        )
+
+    def status(self) -> list[dict]:
+        """Per engine: URL, in rotation or not, outstanding and completed requests, weight version."""
+        return [
+            {"url": e.url, "healthy": e.healthy, "outstanding": e.outstanding, "completed": e.completed,
+             "failures": e.failures, "weight_version": e.weight_version}
+            for e in self.endpoints
+        ]  # fmt: skip

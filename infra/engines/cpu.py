@@ -1,0 +1,390 @@
+"""tandem's CPU engine core: continuous batching over an HF causal LM and its KV cache.
+
+`CpuEngine` owns the model and runs one scheduler thread. HTTP handlers (server.py) never touch
+the model: they `submit` a `GenerationJob` and wait on its future, and they send weight updates,
+pauses and aborts as commands that the scheduler applies between two decode steps. So a weight
+swap never races a forward pass, and no lock is held while the model computes.
+
+Batching is continuous at step granularity. Every running sequence sits in one `RunningBatch`
+whose DynamicCache rows are left-padded to a common length. At each step boundary the scheduler
+admits waiting sequences (one prefill forward for all of them, then their cache rows are padded
+and concatenated to the running batch), runs one decode forward for the whole batch, samples, and
+drops finished rows (`batch_select_indices`) and any leading columns that became all padding. A
+request that arrives while 31 others decode joins the next step instead of waiting for them.
+
+Logprobs are those of the raw model distribution (temperature 1, no top-k/top-p filtering) at
+the sampled token, as SGLang returns by default: exactly what the trainer recomputes.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+
+from infra.engines.api import SamplingParams
+from infra.manifest import ManifestError, verify_local_dir
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class GenerationJob:
+    """One /generate request: a prompt sampled `params.n` times."""
+
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    future: Future = field(default_factory=Future)
+    submitted_at: float = field(default_factory=time.monotonic)
+    aborted: bool = False
+    samples: list[Sample] = field(default_factory=list)
+    weight_version: str = ""
+
+
+@dataclass(eq=False)
+class Sample:
+    """One sequence being generated for a job (sample `index` of its n)."""
+
+    job: GenerationJob
+    index: int
+    generator: torch.Generator | None
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: dict | None = None
+
+    @property
+    def context_length(self) -> int:
+        return len(self.job.input_ids) + len(self.output_ids)
+
+
+class RunningBatch:
+    """The sequences being decoded, their KV cache rows, attention mask and next positions."""
+
+    def __init__(self, samples: list[Sample], cache: DynamicCache, mask: torch.Tensor):
+        self.samples = samples
+        self.cache = cache
+        self.mask = mask
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def merge(self, other: RunningBatch) -> None:
+        """Append `other`'s rows, left-padding whichever cache is shorter."""
+        width = max(self.mask.shape[1], other.mask.shape[1])
+        layers = [
+            (torch.cat([_pad_left(k1, width), _pad_left(k2, width)]), torch.cat([_pad_left(v1, width), _pad_left(v2, width)]))
+            for (k1, v1), (k2, v2) in zip(_layers(self.cache), _layers(other.cache), strict=True)
+        ]
+        self.cache = DynamicCache(ddp_cache_data=layers)
+        self.mask = torch.cat([_pad_left(self.mask, width), _pad_left(other.mask, width)])
+        self.samples += other.samples
+
+    def keep(self, rows: list[int]) -> None:
+        """Keep only `rows`, then drop leading columns that are padding in every kept row."""
+        index = torch.tensor(rows, dtype=torch.long)
+        self.samples = [self.samples[i] for i in rows]
+        self.mask = self.mask[index]
+        first_real = int(self.mask.any(0).nonzero()[0]) if rows else 0
+        self.mask = self.mask[:, first_real:]
+        self.cache = DynamicCache(
+            ddp_cache_data=[(k[index, :, first_real:], v[index, :, first_real:]) for k, v in _layers(self.cache)]
+        )
+
+
+def _layers(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def _pad_left(tensor: torch.Tensor, width: int) -> torch.Tensor:
+    """Zero-pad the sequence dimension (dim 2 of a KV tensor, dim 1 of a mask) on the left."""
+    seq_dim = 2 if tensor.dim() == 4 else 1
+    missing = width - tensor.shape[seq_dim]
+    if missing == 0:
+        return tensor
+    pad = (0, 0, missing, 0) if seq_dim == 2 else (missing, 0)
+    return F.pad(tensor, pad)
+
+
+class CpuEngine:
+    """An HF causal LM served with continuous batching on one scheduler thread."""
+
+    def __init__(self, model_path: str | Path, max_batch_size: int = 32, weight_version: str = "default"):
+        self.model_path = str(model_path)
+        self.max_batch_size = max_batch_size
+        self.weight_version = weight_version
+        self.model = AutoModelForCausalLM.from_pretrained(self.model_path).eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self.vocab_size = self.model.config.vocab_size
+        self.context_length = self.model.config.max_position_embeddings
+        self.eos_token_ids = _eos_ids(self.model)
+        self.waiting: queue.SimpleQueue[GenerationJob] = queue.SimpleQueue()
+        self.commands: queue.SimpleQueue[tuple[Callable[[], object], Future]] = queue.SimpleQueue()
+        self.wake = threading.Event()
+        self.paused = False
+        self.batch: RunningBatch | None = None
+        self.backlog: list[Sample] = []
+        self.batch_sizes: Counter[int] = Counter()
+        self.prefill_sizes: Counter[int] = Counter()
+        self.tokens_generated = 0
+        self.running = True
+        self.thread = threading.Thread(target=self._schedule, name="cpu-engine", daemon=True)
+        self.thread.start()
+
+    # -- the API the HTTP server calls (thread-safe) -----------------------------------------
+
+    def submit(self, job: GenerationJob) -> Future:
+        """Queue a job; its future resolves to a list of n result dicts."""
+        self.waiting.put(job)
+        self.wake.set()
+        return job.future
+
+    def run_command(self, command: Callable[[], object]) -> Future:
+        """Run `command` on the scheduler thread between two steps; resolves to its result."""
+        future: Future = Future()
+        self.commands.put((command, future))
+        self.wake.set()
+        return future
+
+    def pause(self, mode: str) -> int:
+        """Stop stepping; with mode "abort", also end every request with finish_reason abort."""
+        self.paused = True
+        return self.abort(abort_all=True) if mode == "abort" else 0
+
+    def resume(self) -> None:
+        self.paused = False
+        self.wake.set()
+
+    def abort(self, rid: str | None = None, abort_all: bool = False) -> int:
+        """Mark matching requests aborted; the scheduler finishes them at the next step."""
+        def mark() -> int:
+            jobs = {s.job for s in self.backlog + (self.batch.samples if self.batch else [])}
+            self._drain_waiting()
+            jobs |= {s.job for s in self.backlog}
+            hits = [j for j in jobs if abort_all or j.rid == rid]
+            for job in hits:
+                job.aborted = True
+            self._finish_aborted()
+            return len(hits)
+
+        return self.run_command(mark).result()
+
+    def update_weights(self, model_path: str, weight_version: str | None) -> tuple[bool, str]:
+        """Verify the snapshot's manifest, then load its weights in place between two steps."""
+        try:
+            verify_local_dir(Path(model_path))
+            fresh = AutoModelForCausalLM.from_pretrained(model_path)
+        except (ManifestError, OSError, ValueError) as err:
+            return False, f"refused {model_path}: {err}"
+        if fresh.config.vocab_size != self.vocab_size:
+            return False, f"refused {model_path}: vocab_size {fresh.config.vocab_size} != {self.vocab_size}"
+
+        def swap() -> None:
+            self.model.load_state_dict(fresh.state_dict())
+            self.model_path = model_path
+            self.weight_version = weight_version if weight_version is not None else self.weight_version
+
+        self.run_command(swap).result()
+        return True, f"loaded {model_path} as weight_version {self.weight_version}"
+
+    def stats(self) -> dict:
+        running = len(self.batch) if self.batch else 0
+        return {
+            "weight_version": self.weight_version,
+            "max_batch_size": self.max_batch_size,
+            "paused": self.paused,
+            "num_running": running,
+            "num_waiting": len(self.backlog) + self.waiting.qsize(),
+            "tokens_generated": self.tokens_generated,
+            "decode_batch_sizes": {str(k): v for k, v in sorted(self.batch_sizes.items())},
+            "prefill_batch_sizes": {str(k): v for k, v in sorted(self.prefill_sizes.items())},
+        }
+
+    def shutdown(self) -> None:
+        self.running = False
+        self.wake.set()
+        self.thread.join(timeout=10)
+
+    # -- the scheduler thread ----------------------------------------------------------------
+
+    def _schedule(self) -> None:
+        torch.set_grad_enabled(False)
+        while self.running:
+            self._run_commands()
+            self._drain_waiting()
+            self._finish_aborted()
+            if self.paused or not (self.batch or self.backlog):
+                self.wake.wait(0.5)
+                self.wake.clear()
+                continue
+            try:
+                self._admit()
+                self._decode_step()
+            except Exception as err:  # a failed forward must fail its requests, not the server
+                log.exception("engine step failed")
+                for sample in (self.batch.samples if self.batch else []) + self.backlog:
+                    if not sample.job.future.done():
+                        sample.job.future.set_exception(err)
+                self.batch, self.backlog = None, []
+
+    def _run_commands(self) -> None:
+        while not self.commands.empty():
+            command, future = self.commands.get()
+            try:
+                future.set_result(command())
+            except Exception as err:
+                future.set_exception(err)
+
+    def _drain_waiting(self) -> None:
+        while not self.waiting.empty():
+            job = self.waiting.get()
+            job.samples = [Sample(job, i, _generator(job.params.sampling_seed, i)) for i in range(job.params.n)]
+            if job.params.max_new_tokens == 0:
+                for sample in job.samples:
+                    sample.finish_reason = {"type": "length", "length": 0}
+                self._complete(job)
+            else:
+                self.backlog += job.samples
+
+    def _finish_aborted(self) -> None:
+        aborted = [s for s in self.backlog if s.job.aborted]
+        for sample in aborted:
+            sample.finish_reason = {"type": "abort", "message": "aborted"}
+        self.backlog = [s for s in self.backlog if s.finish_reason is None]
+        if self.batch:
+            self._retire([s.job.aborted for s in self.batch.samples], {"type": "abort", "message": "aborted"})
+        self._complete_done({s.job for s in aborted})
+
+    def _admit(self) -> None:
+        room = self.max_batch_size - (len(self.batch) if self.batch else 0)
+        if room <= 0 or not self.backlog:
+            return
+        newcomers, self.backlog = self.backlog[:room], self.backlog[room:]
+        width = max(len(s.job.input_ids) for s in newcomers)
+        ids = torch.tensor([[0] * (width - len(s.job.input_ids)) + s.job.input_ids for s in newcomers])
+        mask = torch.tensor([[0] * (width - len(s.job.input_ids)) + [1] * len(s.job.input_ids) for s in newcomers])
+        cache = DynamicCache()
+        logits = self._forward(ids, mask, cache, logits_to_keep=1)
+        self.prefill_sizes[len(newcomers)] += 1
+        admitted = RunningBatch(newcomers, cache, mask)
+        self._sample_and_record(admitted, logits)
+        if self.batch is None:
+            self.batch = admitted
+        else:
+            self.batch.merge(admitted)
+        self._retire([s.finish_reason is not None for s in self.batch.samples])
+
+    def _decode_step(self) -> None:
+        batch = self.batch
+        if not batch:
+            return
+        last = torch.tensor([[s.output_ids[-1]] for s in batch.samples])
+        batch.mask = torch.cat([batch.mask, torch.ones(len(batch), 1, dtype=batch.mask.dtype)], dim=1)
+        logits = self._forward(last, batch.mask, batch.cache, logits_to_keep=1)
+        self.batch_sizes[len(batch)] += 1
+        self._sample_and_record(batch, logits)
+        self._retire([s.finish_reason is not None for s in batch.samples])
+
+    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, cache: DynamicCache, logits_to_keep: int) -> torch.Tensor:
+        positions = (mask.cumsum(dim=1) - 1).clamp(min=0)[:, -ids.shape[1] :]
+        out = self.model(
+            input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache,
+            use_cache=True, logits_to_keep=logits_to_keep,
+        )  # fmt: skip
+        return out.logits[:, -1, :].float()
+
+    def _sample_and_record(self, batch: RunningBatch, logits: torch.Tensor) -> None:
+        logprobs = torch.log_softmax(logits, dim=-1)
+        tokens = sample_tokens(logits, [s.job.params for s in batch.samples], [s.generator for s in batch.samples])
+        chosen = logprobs.gather(1, tokens[:, None])[:, 0].tolist()
+        for sample, token, logprob in zip(batch.samples, tokens.tolist(), chosen, strict=True):
+            sample.output_ids.append(token)
+            sample.logprobs.append(logprob)
+            self.tokens_generated += 1
+            sample.finish_reason = self._finish_reason(sample, token)
+
+    def _finish_reason(self, sample: Sample, token: int) -> dict | None:
+        params = sample.job.params
+        if token in (params.stop_token_ids or ()) or (token in self.eos_token_ids and not params.ignore_eos):
+            return {"type": "stop", "matched": token}
+        if len(sample.output_ids) >= params.max_new_tokens or sample.context_length >= self.context_length:
+            return {"type": "length", "length": len(sample.output_ids)}
+        return None
+
+    def _retire(self, done: list[bool], reason: dict | None = None) -> None:
+        """Remove the rows flagged `done` from the running batch and complete finished jobs."""
+        if not any(done):
+            return
+        retired = [s for s, finished in zip(self.batch.samples, done, strict=True) if finished]
+        for sample in retired:
+            sample.finish_reason = reason or sample.finish_reason
+        self.batch.keep([i for i, finished in enumerate(done) if not finished])
+        if not self.batch.samples:
+            self.batch = None
+        self._complete_done({s.job for s in retired})
+
+    def _complete_done(self, jobs: set[GenerationJob]) -> None:
+        for job in jobs:
+            if all(s.finish_reason is not None for s in job.samples) and not job.future.done():
+                self._complete(job)
+
+    def _complete(self, job: GenerationJob) -> None:
+        job.weight_version = self.weight_version
+        job.future.set_result(job)
+
+
+def sample_tokens(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+) -> torch.Tensor:
+    """One token per row, each row with its own temperature, top-k, top-p and seeded generator.
+
+    Temperature 0 is greedy. Top-k and top-p are applied on the temperature-scaled distribution,
+    in that order, as SGLang does.
+    """
+    vocab = logits.shape[1]
+    temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype)
+    greedy = temperature <= 1e-5
+    scaled = logits / temperature.clamp(min=1e-5)[:, None]
+    top_k = [p.top_k if p.top_k > 0 else vocab for p in params]
+    top_p = [p.top_p for p in params]
+    if all(k >= vocab for k in top_k) and all(p >= 1.0 for p in top_p):
+        order = None
+        probs = torch.softmax(scaled, dim=-1)
+    else:
+        scaled, order = scaled.sort(dim=-1, descending=True)
+        rank = torch.arange(vocab)[None, :]
+        scaled = scaled.masked_fill(rank >= torch.tensor(top_k)[:, None], float("-inf"))
+        probs = torch.softmax(scaled, dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        probs = probs.masked_fill(mass_before > torch.tensor(top_p, dtype=probs.dtype)[:, None], 0.0)
+    if all(g is None for g in generators):
+        choice = torch.multinomial(probs, 1)[:, 0]
+    else:
+        choice = torch.cat([torch.multinomial(row, 1, generator=g) for row, g in zip(probs, generators, strict=True)])
+    tokens = choice if order is None else order.gather(1, choice[:, None])[:, 0]
+    return torch.where(greedy, logits.argmax(dim=-1), tokens)
+
+
+def _generator(seed: int | None, index: int) -> torch.Generator | None:
+    """A generator for sample `index` of a seeded request: same seed, same samples."""
+    if seed is None:
+        return None
+    return torch.Generator().manual_seed((seed * 1_000_003 + index) % 2**63)
+
+
+def _eos_ids(model) -> set[int]:
+    eos = model.generation_config.eos_token_id if model.generation_config else None
+    eos = eos if eos is not None else model.config.eos_token_id
+    if eos is None:
+        return set()
+    return {eos} if isinstance(eos, int) else set(eos)

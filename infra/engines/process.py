@@ -1,0 +1,108 @@
+"""Engine processes: start a server command, wait until /health answers, stop it by PID.
+
+Both backends run as separate processes behind the same HTTP API: the CPU engine
+(`python -m flows.cli engine serve`) and SGLang (`python -m sglang.launch_server`, see sglang.py).
+An `EngineProcess` is started in a new session so that stopping it signals its own process group
+only (SGLang forks scheduler and detokenizer children), never anything else on the machine.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+
+class EngineStartError(RuntimeError):
+    """The engine process exited or did not become healthy in time."""
+
+
+class EngineProcess:
+    """One engine server process listening on `url`."""
+
+    def __init__(self, command: list[str], url: str, log_path: Path, env: dict[str, str] | None = None):
+        self.command = command
+        self.url = url
+        self.log_path = log_path
+        self.env = env
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process else None
+
+    def start(self, timeout: float = 120.0) -> EngineProcess:
+        """Start the process and return once GET /health answers 200."""
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(
+                self.command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env=os.environ | (self.env or {}), start_new_session=True,
+            )  # fmt: skip
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise EngineStartError(f"engine exited with code {self.process.returncode}:\n{self.log_tail()}")
+            if self.is_healthy():
+                return self
+            time.sleep(0.2)
+        self.stop()
+        raise EngineStartError(f"engine at {self.url} not healthy after {timeout:.0f}s:\n{self.log_tail()}")
+
+    def is_healthy(self) -> bool:
+        try:
+            return httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def is_running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def stop(self, grace: float = 20.0) -> None:
+        """SIGTERM the engine's process group, SIGKILL it after `grace` seconds."""
+        if not self.is_running():
+            return
+        os.killpg(self.process.pid, signal.SIGTERM)
+        try:
+            self.process.wait(grace)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+
+    def kill(self) -> None:
+        """SIGKILL the engine at once (fault tests: a preempted engine)."""
+        if self.is_running():
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def __enter__(self) -> EngineProcess:
+        return self if self.is_running() else self.start()
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
+
+
+def cpu_engine_process(
+    model_path: str | Path, port: int, log_path: Path, host: str = "127.0.0.1",
+    api_key: str | None = None, max_batch_size: int = 32, weight_version: str = "0",
+) -> EngineProcess:  # fmt: skip
+    """An `EngineProcess` for tandem's CPU engine. The API key travels in the environment, not
+    on the command line, where `ps` would show it to every user of the machine."""
+    command = [
+        sys.executable, "-m", "flows.cli", "engine", "serve", "--model", str(model_path),
+        "--host", host, "--port", str(port), "--max-batch-size", str(max_batch_size),
+        "--weight-version", weight_version,
+    ]  # fmt: skip
+    env = {"TANDEM_ENGINE_API_KEY": api_key} if api_key else None
+    return EngineProcess(command, f"http://{host}:{port}", log_path, env=env)

@@ -1,0 +1,199 @@
+"""The CPU engine's HTTP server: SGLang's native API subset (DESIGN.md) over `CpuEngine`.
+
+Routes validate their bodies with the pydantic models of api.py, which are the contract shared
+with the client and checked against SGLang's own field names, so a request SGLang would refuse is
+refused here too (4xx with a reason). Handlers only translate between HTTP and the engine; the
+engine's scheduler thread does all model work. Two pieces of plumbing sit in front of the routes:
+a body-size limit enforced while the body streams in (a 1 GB upload is cut off at the limit, not
+buffered), and an optional Bearer API key like SGLang's `--api-key` (/health stays open so load
+balancers can probe).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import os
+import time
+
+import uvicorn
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import JSONResponse
+
+from infra.engines.api import (
+    AbortRequest,
+    GenerateRequest,
+    PauseGenerationRequest,
+    UpdateWeightsFromDiskRequest,
+)
+from infra.engines.cpu import CpuEngine, GenerationJob
+
+log = logging.getLogger(__name__)
+MAX_BODY_BYTES = 8 * 1024 * 1024
+OPEN_PATHS = frozenset({"/health"})
+
+
+class BodySizeLimit:
+    """ASGI middleware: answer 413 as soon as a request body grows past `limit` bytes."""
+
+    def __init__(self, app, limit: int):
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            return await self._too_large(send)
+        seen = 0
+        exceeded = False
+
+        async def counting_receive():
+            nonlocal seen, exceeded
+            if exceeded:
+                return {"type": "http.disconnect"}
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.limit:
+                exceeded = True  # the app sees a client that went away and stops reading
+                return {"type": "http.disconnect"}
+            return message
+
+        async def guarded_send(message):
+            if not exceeded:  # whatever the app answers to the cut-off body is replaced by 413
+                await send(message)
+
+        try:
+            await self.app(scope, counting_receive, guarded_send)
+        except Exception:
+            if not exceeded:
+                raise
+        if exceeded:
+            await self._too_large(send)
+
+    async def _too_large(self, send):
+        response = JSONResponse({"error": f"request body over {self.limit} bytes"}, status_code=413)
+        await response({"type": "http"}, None, send)
+
+
+def create_app(engine: CpuEngine, api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+    """The FastAPI app serving `engine`; `api_key` (if set) is required on every route but /health."""
+    app = FastAPI(title="tandem CPU engine", version="1")
+
+    @app.middleware("http")
+    async def require_api_key(request: Request, call_next):
+        if api_key and request.url.path not in OPEN_PATHS:
+            sent = request.headers.get("authorization", "")
+            if not hmac.compare_digest(sent.encode(), f"Bearer {api_key}".encode()):
+                return JSONResponse({"error": "missing or wrong API key"}, status_code=401)
+        return await call_next(request)
+
+    app.add_middleware(BodySizeLimit, limit=max_body_bytes)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, err: RequestValidationError):
+        # FastAPI's default echoes every offending input back; a 10^6-token prompt would come
+        # back whole. Name the field and the problem only.
+        problems = [{"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]} for e in err.errors()]
+        return JSONResponse({"error": "invalid request", "detail": problems}, status_code=422)
+
+    @app.post("/generate")
+    async def generate(body: GenerateRequest):
+        bad = [t for t in body.input_ids if not 0 <= t < engine.vocab_size]
+        if bad:
+            raise HTTPException(400, f"input_ids outside the vocabulary [0, {engine.vocab_size}): {bad[:5]}")
+        if len(body.input_ids) >= engine.context_length:
+            raise HTTPException(
+                400, f"prompt of {len(body.input_ids)} tokens leaves no room in the context of {engine.context_length}"
+            )
+        job = GenerationJob(rid=body.rid or os.urandom(8).hex(), input_ids=body.input_ids, params=body.sampling_params)
+        started = time.monotonic()
+        try:
+            await asyncio.wrap_future(engine.submit(job))
+        except asyncio.CancelledError:
+            engine.abort(rid=job.rid)
+            raise
+        results = [_result(engine, job, sample, body.return_logprob, started) for sample in job.samples]
+        return results[0] if len(results) == 1 else results
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(body: UpdateWeightsFromDiskRequest):
+        success, message = await run_in_threadpool(engine.update_weights, body.model_path, body.weight_version)
+        content = {"success": success, "message": message, "num_paused_requests": 0}
+        return JSONResponse(content, status_code=200 if success else 400)
+
+    @app.post("/pause_generation")
+    async def pause_generation(body: PauseGenerationRequest):
+        aborted = await run_in_threadpool(engine.pause, body.mode)
+        return {"success": True, "message": f"paused ({body.mode}); aborted {aborted} requests"}
+
+    @app.post("/continue_generation")
+    async def continue_generation():
+        engine.resume()
+        return {"success": True, "message": "continued"}
+
+    @app.post("/abort_request")
+    async def abort_request(body: AbortRequest):
+        if not body.abort_all and not body.rid:
+            raise HTTPException(400, "give a rid or abort_all: true")
+        count = await run_in_threadpool(engine.abort, body.rid, body.abort_all)
+        return {"success": True, "aborted": count}
+
+    @app.post("/flush_cache")
+    async def flush_cache():
+        # No prefix cache is kept between requests, so there is nothing stale to drop.
+        return {"success": True, "message": "nothing cached between requests"}
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/model_info")
+    @app.get("/get_model_info")
+    async def model_info():
+        return {
+            "model_path": engine.model_path,
+            "tokenizer_path": engine.model_path,
+            "is_generation": True,
+            "weight_version": engine.weight_version,
+        }
+
+    @app.get("/server_info")
+    @app.get("/get_server_info")
+    async def server_info():
+        return {"backend": "cpu", "context_length": engine.context_length, **engine.stats()}
+
+    return app
+
+
+def _result(engine: CpuEngine, job: GenerationJob, sample, return_logprob: bool, started: float) -> dict:
+    meta = {
+        "id": job.rid if job.params.n == 1 else f"{job.rid}-{sample.index}",
+        "finish_reason": sample.finish_reason,
+        "prompt_tokens": len(job.input_ids),
+        "completion_tokens": len(sample.output_ids),
+        "weight_version": job.weight_version,
+        "e2e_latency": time.monotonic() - started,
+    }
+    if return_logprob:
+        meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(sample.logprobs, sample.output_ids)]
+    text = engine.tokenizer.decode(sample.output_ids, skip_special_tokens=True)
+    return {"output_ids": sample.output_ids, "text": text, "meta_info": meta}
+
+
+def serve(
+    model_path: str, host: str = "127.0.0.1", port: int = 30000, api_key: str | None = None,
+    max_batch_size: int = 32, weight_version: str = "default",
+) -> None:  # fmt: skip
+    """Load the model and serve until SIGINT/SIGTERM (uvicorn stops gracefully on both)."""
+    engine = CpuEngine(model_path, max_batch_size=max_batch_size, weight_version=weight_version)
+    app = create_app(engine, api_key=api_key)
+    log.info("serving %s on http://%s:%d", model_path, host, port)
+    try:
+        uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
+    finally:
+        engine.shutdown()

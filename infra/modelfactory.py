@@ -1,0 +1,148 @@
+"""The tiny policy model and its tokenizer, built from scratch so that tests, CI and laptops need
+no downloaded weights.
+
+- `build_tokenizer`: a word-level tokenizer for the task alphabet (digits, + = - * ,, a-z and the
+  task keywords), made with the `tokenizers` library and wrapped as a transformers fast tokenizer.
+  Words are split on whitespace only: every task writes its tokens space-separated ("Q 3 7 + 4 5"),
+  and anything outside the alphabet becomes <unk>, visibly, rather than silently re-split. No
+  special token is added on encode: a prompt builder prepends `bos_token_id` itself, and a tool
+  reply encoded mid-episode never gets a stray <bos>.
+- `build_model`: a random-init LlamaForCausalLM or Qwen2ForCausalLM with tied embeddings and sdpa
+  attention, seeded without disturbing the caller's RNG.
+- `save_tiny_model` / `prepare_initial_model`: write a standard HF directory (config.json with
+  architectures, token ids and dtype; model.safetensors; tokenizer.json; generation_config.json).
+  From then on the tiny model is just a model path: `load_model` / `load_tokenizer` go through
+  `AutoModelForCausalLM` / `AutoTokenizer.from_pretrained`, the same code a real model takes (one
+  exception, see `load_tokenizer`), and SGLang loads the directory as it is.
+"""
+
+from __future__ import annotations
+
+import json
+import string
+from pathlib import Path
+
+import torch
+from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from configs.schema import ModelConfig
+
+PAD, BOS, EOS, UNK, EOT = "<pad>", "<bos>", "<eos>", "<unk>", "<eot>"
+SPECIAL_TOKENS = [PAD, BOS, EOS, UNK, EOT]
+"""Ids 0-4, in this order. <eot> ends a model turn in a multi-turn episode; <eos> ends the episode."""
+TASK_KEYWORDS = ["Q", "CALC", "RESULT", "ANSWER", "GET", "SET", "KEY", "VALUE", "ERROR"]
+TASK_VOCABULARY = (
+    SPECIAL_TOKENS
+    + list(string.digits)
+    + ["+", "=", "-", "*", ","]
+    + list(string.ascii_lowercase)
+    + TASK_KEYWORDS
+)
+"""Every token of the tiny tokenizer; a token's id is its index here."""
+
+_ARCHITECTURES = {
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+}
+_GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """The word-level tokenizer of `TASK_VOCABULARY`, with bos/eos/pad/unk set."""
+    vocab = {token: index for index, token in enumerate(TASK_VOCABULARY)}
+    core = Tokenizer(models.WordLevel(vocab, unk_token=UNK))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    # Special tokens are matched before the whitespace split ("5<eot>" is two tokens) and are
+    # dropped by decode(skip_special_tokens=True).
+    core.add_special_tokens([AddedToken(token, special=True) for token in SPECIAL_TOKENS])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core, bos_token=BOS, eos_token=EOS, pad_token=PAD, unk_token=UNK
+    )
+
+
+def build_model(cfg: ModelConfig, vocab_size: int, seed: int) -> PreTrainedModel:
+    """A random-init causal LM shaped by `cfg`; the same seed gives the same weights."""
+    config_class, model_class = _ARCHITECTURES[cfg.architecture]
+    config = config_class(
+        vocab_size=vocab_size,
+        hidden_size=cfg.hidden_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_heads,
+        intermediate_size=cfg.intermediate_size,
+        max_position_embeddings=cfg.max_position_embeddings,
+        tie_word_embeddings=True,  # transformers 5.x defaults it to False for Llama
+        bos_token_id=TASK_VOCABULARY.index(BOS),
+        eos_token_id=TASK_VOCABULARY.index(EOS),
+        pad_token_id=TASK_VOCABULARY.index(PAD),
+        dtype=cfg.dtype,
+        attn_implementation="sdpa",
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = model_class(config)
+    model.generation_config = GenerationConfig(
+        bos_token_id=config.bos_token_id,
+        eos_token_id=[config.eos_token_id, TASK_VOCABULARY.index(EOT)],
+        pad_token_id=config.pad_token_id,
+    )
+    return model.to(_DTYPES[cfg.dtype])
+
+
+def save_tiny_model(cfg: ModelConfig, out_dir: Path, seed: int) -> Path:
+    """Build the tiny model and its tokenizer and save them as an HF directory; returns it."""
+    tokenizer = build_tokenizer()
+    tokenizer.model_max_length = cfg.max_position_embeddings
+    model = build_model(cfg, vocab_size=len(tokenizer), seed=seed)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+def prepare_initial_model(cfg: ModelConfig, out_dir: Path, seed: int) -> Path:
+    """The directory of the run's initial model: `cfg.path` if set, else a freshly built tiny one."""
+    if cfg.path is None:
+        return save_tiny_model(cfg, out_dir, seed)
+    path = Path(cfg.path).expanduser()
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"model.path {cfg.path!r} is not an HF model directory (no config.json)")
+    return path
+
+
+def load_model(path: Path | str, dtype: torch.dtype | str | None = None) -> PreTrainedModel:
+    """Load an HF causal LM directory (tiny or real); dtype None keeps the one in config.json."""
+    return AutoModelForCausalLM.from_pretrained(
+        str(path), dtype="auto" if dtype is None else dtype, attn_implementation="sdpa"
+    )
+
+
+def load_tokenizer(path: Path | str) -> PreTrainedTokenizerBase:
+    """Load the tokenizer saved in an HF model directory.
+
+    A directory that declares the generic fast tokenizer class (ours does) loads its tokenizer.json
+    as it is: transformers 5.x AutoTokenizer would otherwise force the class registered for the
+    model type (Qwen2Tokenizer for qwen2), which rebuilds a byte-level BPE pipeline over our
+    word-level vocabulary and decodes "ANSWER 8 2" as "ANSWER82". SGLang calls AutoTokenizer and
+    so gets that wrong text for a tiny qwen2 model; token ids, which tandem exchanges, are right."""
+    config_file = Path(path) / "tokenizer_config.json"
+    declared = None
+    if config_file.is_file():
+        declared = json.loads(config_file.read_text()).get("tokenizer_class")
+    if declared in _GENERIC_TOKENIZER_CLASSES:
+        return PreTrainedTokenizerFast.from_pretrained(str(path))
+    return AutoTokenizer.from_pretrained(str(path))

@@ -1,0 +1,168 @@
+"""Weight snapshots: how the trainer hands policy versions to the generators.
+
+    weights/v{V:08d}/           HF model dir (config.json, *.safetensors, tokenizer files),
+                                committed by MANIFEST.json written last (infra/manifest.py)
+    weights/LATEST              {"version": V}, moved only after V's manifest exists, only forward
+    weights/pins/{consumer}.json  {"version": V}: a generator or engine is using V; keep it
+
+Why this shape: a generator polls LATEST and loads what it names, so LATEST must never name a
+snapshot that is incomplete or gone. Hence the order publish = upload, manifest, then LATEST; and
+retention never deletes LATEST or a pinned version, and deletes a snapshot's MANIFEST before its
+other files, so that no reader starts on a half-deleted snapshot.
+Version 0 (the initial model) is a multiple of every `keep_every`, so retention always keeps it.
+
+`load_snapshot` always copies into a local cache directory and verifies there, on file:// too,
+rather than verifying the store's own directory in place: a private copy cannot be deleted by a
+retention sweep while an engine reads it, stray uncommitted files in the store never reach
+from_pretrained, and every backend takes one code path. The copy of a tiny model costs
+milliseconds; a real model's copy is what an S3 reader pays anyway.
+
+A consumer that must not lose its snapshot mid-load pins it first (`pin_snapshot`), then loads;
+a ManifestError from `load_snapshot` means the version was retired meanwhile: read LATEST again.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from infra.manifest import MANIFEST_NAME, commit_directory, fetch_directory
+from infra.storage import RunStore
+
+WEIGHTS = "weights"
+LATEST_KEY = f"{WEIGHTS}/LATEST"
+PINS = f"{WEIGHTS}/pins"
+_VERSION_DIR = re.compile(r"v(\d{8})")
+_CONSUMER = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+def snapshot_prefix(version: int) -> str:
+    """The key prefix of snapshot `version`: weights/v00000003."""
+    if version < 0:
+        raise ValueError(f"a policy version is >= 0, got {version}")
+    return f"{WEIGHTS}/v{version:08d}"
+
+
+def publish_snapshot(
+    store: RunStore,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    version: int,
+    staging_dir: Path | None = None,
+) -> int:
+    """Save `model` and `tokenizer` as snapshot `version`, commit it, move LATEST; returns version.
+
+    Idempotent: publishing a version that is already committed only (re)moves LATEST forward."""
+    with tempfile.TemporaryDirectory(prefix="snapshot-", dir=staging_dir) as temp:
+        model.save_pretrained(temp)
+        tokenizer.save_pretrained(temp)
+        return publish_snapshot_dir(store, Path(temp), version)
+
+
+def publish_snapshot_dir(store: RunStore, local_dir: Path, version: int) -> int:
+    """Commit an HF directory already on disk (e.g. the initial model) as snapshot `version`."""
+    prefix = snapshot_prefix(version)
+    commit_directory(store, local_dir, prefix, extra={"version": version})
+    if not store.exists(f"{prefix}/{MANIFEST_NAME}"):
+        raise RuntimeError(f"snapshot {version} has no manifest after its commit")
+    current = latest_version(store)
+    if current is None or version > current:
+        store.write_atomic(LATEST_KEY, json.dumps({"version": version}).encode())
+    return version
+
+
+def latest_version(store: RunStore) -> int | None:
+    """The version LATEST names, or None before the first publish."""
+    try:
+        return _read_version(store, LATEST_KEY)
+    except FileNotFoundError:
+        return None
+
+
+def snapshot_versions(store: RunStore) -> list[int]:
+    """Committed snapshot versions (those with a MANIFEST), ascending."""
+    versions = []
+    for key in store.list_recursive(WEIGHTS):
+        parts = key.split("/")
+        if len(parts) == 3 and parts[2] == MANIFEST_NAME and (match := _VERSION_DIR.fullmatch(parts[1])):
+            versions.append(int(match.group(1)))
+    return sorted(versions)
+
+
+def load_snapshot(store: RunStore, cache_dir: Path, version: int | None = None) -> Path:
+    """Fetch and verify snapshot `version` (default: LATEST) into cache_dir; returns its directory.
+
+    The directory loads with `AutoModelForCausalLM.from_pretrained` and SGLang as it is."""
+    if version is None:
+        version = latest_version(store)
+        if version is None:
+            raise FileNotFoundError(f"no snapshot published under {store.url_of(WEIGHTS)}")
+    local_dir = Path(cache_dir) / f"v{version:08d}"
+    fetch_directory(store, snapshot_prefix(version), local_dir)
+    return local_dir
+
+
+def pin_snapshot(store: RunStore, consumer: str, version: int) -> None:
+    """Record that `consumer` uses `version`, so that retention keeps it (one pin per consumer)."""
+    store.write_atomic(_pin_key(consumer), json.dumps({"version": version}).encode())
+
+
+def unpin_snapshot(store: RunStore, consumer: str) -> None:
+    """Drop `consumer`'s pin (a consumer that stops for good should)."""
+    store.delete(_pin_key(consumer))
+
+
+def pinned_versions(store: RunStore) -> set[int]:
+    """Versions named by any pin file."""
+    pins = set()
+    for key in store.list(PINS):
+        if key.endswith(".json"):
+            try:
+                pins.add(_read_version(store, key))
+            except FileNotFoundError:  # unpinned since the listing
+                continue
+    return pins
+
+
+def apply_retention(
+    store: RunStore, keep_last: int, keep_every: int, pinned: Iterable[int] = ()
+) -> list[int]:
+    """Delete snapshots that nothing needs; returns the deleted versions.
+
+    Kept: the newest `keep_last` committed versions, every multiple of `keep_every` (so v0),
+    LATEST, the `pinned` argument and every version a pin file names. Uncommitted leftovers of a
+    killed publish are left alone: the retried publish of that version clears them."""
+    if keep_last < 1 or keep_every < 1:
+        raise ValueError("keep_last and keep_every must be >= 1")
+    committed = snapshot_versions(store)
+    latest = latest_version(store)
+    keep = set(committed[-keep_last:]) | set(pinned) | pinned_versions(store)
+    keep |= {v for v in committed if v % keep_every == 0}
+    if latest is not None:
+        keep.add(latest)
+    deleted = []
+    for version in committed:
+        if version not in keep:
+            prefix = snapshot_prefix(version)
+            store.delete(f"{prefix}/{MANIFEST_NAME}")  # first: readers stop seeing it
+            store.delete_prefix(prefix)
+            deleted.append(version)
+    return deleted
+
+
+def _read_version(store: RunStore, key: str) -> int:
+    version = json.loads(store.read_bytes(key))["version"]
+    if type(version) is not int or version < 0:
+        raise ValueError(f"{store.url_of(key)}: invalid version {version!r}")
+    return version
+
+
+def _pin_key(consumer: str) -> str:
+    if not _CONSUMER.fullmatch(consumer):
+        raise ValueError(f"consumer name must be letters, digits, '.', '_', '-': {consumer!r}")
+    return f"{PINS}/{consumer}.json"

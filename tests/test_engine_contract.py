@@ -1,0 +1,237 @@
+"""The engine contract: one suite that any backend behind SGLang's native API must pass.
+
+CI runs it against tandem's CPU engine. scripts/gpu_check.sh runs the same file against a real
+SGLang server with TANDEM_ENGINE_BACKEND=sglang. Everything goes over HTTP to a real engine
+process on loopback, started with an API key so that the auth check runs on every request.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from configs.schema import EngineConfig, ModelConfig
+from infra.engines.process import EngineProcess, cpu_engine_process
+from infra.manifest import MANIFEST_NAME, build_manifest
+from infra.modelfactory import load_model, save_tiny_model
+from infra.seaweed import free_port_block
+
+BACKEND = os.environ.get("TANDEM_ENGINE_BACKEND", "cpu")
+API_KEY = "contract-test-key"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+PROMPT = [1, 20, 21, 22, 23, 24]
+
+pytestmark = pytest.mark.slow
+
+
+def write_snapshot(out_dir: Path, seed: int) -> Path:
+    """A tiny model directory committed like a snapshot: MANIFEST.json written last."""
+    path = save_tiny_model(ModelConfig(), out_dir, seed=seed)
+    (path / MANIFEST_NAME).write_text(__import__("json").dumps(build_manifest(path)))
+    return path
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("models")
+    return {"initial": write_snapshot(root / "v0", seed=0), "update": write_snapshot(root / "v1", seed=1)}
+
+
+@pytest.fixture(scope="module")
+def engine(models, tmp_path_factory) -> EngineProcess:
+    port = free_port_block(count=1)
+    log_path = tmp_path_factory.mktemp("engine") / "engine.log"
+    if BACKEND == "sglang":
+        from infra.engines.sglang import sglang_engine_process
+
+        config = EngineConfig(backend="sglang", api_key=API_KEY)
+        process = sglang_engine_process(config, str(models["initial"]), port, log_path, weight_version="0")
+    else:
+        process = cpu_engine_process(models["initial"], port, log_path, api_key=API_KEY, weight_version="0")
+    with process.start(timeout=600):
+        yield process
+
+
+@pytest.fixture
+def http(engine) -> httpx.Client:
+    with httpx.Client(base_url=engine.url, headers=AUTH, timeout=60) as client:
+        yield client
+
+
+def generate(http: httpx.Client, input_ids=PROMPT, **sampling) -> list[dict]:
+    response = http.post("/generate", json={"input_ids": input_ids, "sampling_params": sampling, "return_logprob": True})
+    assert response.status_code == 200, response.text
+    answer = response.json()
+    return answer if isinstance(answer, list) else [answer]
+
+
+def reference_logprobs(model_dir: Path, prompt: list[int], output: list[int]) -> list[float]:
+    """Logprob of each output token under a plain full-sequence forward pass of the model."""
+    model = load_model(model_dir).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + output])).logits[0].float()
+    logprobs = torch.log_softmax(logits, dim=-1)
+    return [float(logprobs[len(prompt) - 1 + i, token]) for i, token in enumerate(output)]
+
+
+def test_logprobs_match_a_reference_forward_pass(http, engine, models):
+    current = http.get("/model_info").json()["model_path"]
+    for sample in generate(http, temperature=1.0, max_new_tokens=24, ignore_eos=True, n=3, sampling_seed=7):
+        output = sample["output_ids"]
+        served = [entry[0] for entry in sample["meta_info"]["output_token_logprobs"]]
+        assert [entry[1] for entry in sample["meta_info"]["output_token_logprobs"]] == output
+        assert served == pytest.approx(reference_logprobs(Path(current), PROMPT, output), abs=1e-4)
+        assert sample["meta_info"]["completion_tokens"] == len(output) == 24
+        assert sample["meta_info"]["prompt_tokens"] == len(PROMPT)
+        assert sample["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_sampling_seed_makes_outputs_reproducible(http):
+    first = generate(http, temperature=1.0, max_new_tokens=20, ignore_eos=True, sampling_seed=1234, n=2)
+    again = generate(http, temperature=1.0, max_new_tokens=20, ignore_eos=True, sampling_seed=1234, n=2)
+    other = generate(http, temperature=1.0, max_new_tokens=20, ignore_eos=True, sampling_seed=99, n=2)
+    assert [s["output_ids"] for s in first] == [s["output_ids"] for s in again]
+    assert [s["output_ids"] for s in first] != [s["output_ids"] for s in other]
+    assert first[0]["output_ids"] != first[1]["output_ids"], "the n samples of a seeded request must differ"
+
+
+def test_stop_token_ends_generation(http):
+    greedy = generate(http, temperature=0.0, max_new_tokens=12, ignore_eos=True)[0]["output_ids"]
+    stop_at = greedy[3]
+    stopped = generate(http, temperature=0.0, max_new_tokens=12, ignore_eos=True, stop_token_ids=[stop_at])[0]
+    assert stopped["output_ids"] == greedy[: greedy.index(stop_at) + 1]
+    assert stopped["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_at}
+
+
+def test_update_weights_changes_outputs_and_version_and_refuses_a_corrupt_snapshot(http, models, tmp_path):
+    seeded = dict(temperature=1.0, max_new_tokens=16, ignore_eos=True, sampling_seed=5)
+    before = generate(http, **seeded)[0]
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(models["update"], corrupt)
+    weights = corrupt / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    weights.write_bytes(bytes(data))
+
+    refused = http.post("/update_weights_from_disk", json={"model_path": str(corrupt), "weight_version": "9"})
+    assert refused.status_code == 400 and refused.json()["success"] is False
+    assert "model.safetensors" in refused.json()["message"]
+    assert http.get("/model_info").json()["weight_version"] == "0"
+    assert generate(http, **seeded)[0]["output_ids"] == before["output_ids"]
+
+    loaded = http.post("/update_weights_from_disk", json={"model_path": str(models["update"]), "weight_version": "1"})
+    assert loaded.status_code == 200 and loaded.json()["success"] is True
+    after = generate(http, **seeded)[0]
+    assert after["output_ids"] != before["output_ids"]
+    assert after["meta_info"]["weight_version"] == "1"
+    assert http.get("/model_info").json()["weight_version"] == "1"
+    served = [entry[0] for entry in after["meta_info"]["output_token_logprobs"]]
+    assert served == pytest.approx(reference_logprobs(models["update"], PROMPT, after["output_ids"]), abs=1e-4)
+
+
+def test_concurrent_requests_run_in_batches_larger_than_one(http, engine):
+    if BACKEND != "cpu":
+        pytest.skip("decode batch sizes are reported by tandem's CPU engine only")
+    before = http.get("/server_info").json()["decode_batch_sizes"]
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(lambda _: generate(http, max_new_tokens=24, ignore_eos=True), range(16)))
+    assert all(r[0]["meta_info"]["completion_tokens"] == 24 for r in results)
+    after = http.get("/server_info").json()["decode_batch_sizes"]
+    new_steps = {int(size): count - before.get(size, 0) for size, count in after.items()}
+    assert max(size for size, count in new_steps.items() if count > 0) > 1
+
+
+def test_pause_holds_new_work_and_continue_releases_it(http):
+    assert http.post("/pause_generation", json={"mode": "in_place"}).status_code == 200
+    result: dict = {}
+    worker = threading.Thread(target=lambda: result.update(out=generate(http, max_new_tokens=4)))
+    worker.start()
+    try:
+        worker.join(timeout=1.5)
+        assert worker.is_alive(), "a request completed while the engine was paused"
+    finally:
+        assert http.post("/continue_generation", json={}).status_code == 200
+    worker.join(timeout=30)
+    assert result["out"][0]["meta_info"]["finish_reason"]["type"] in ("stop", "length")
+
+
+def test_abort_ends_a_request_with_finish_reason_abort(http):
+    http.post("/pause_generation", json={"mode": "in_place"})
+    with ThreadPoolExecutor(2) as pool:
+        try:
+            pending = pool.submit(
+                lambda: http.post("/generate", json={"input_ids": PROMPT, "rid": "to-abort", "sampling_params": {"max_new_tokens": 8}})
+            )
+            time.sleep(0.5)
+            assert http.post("/abort_request", json={"rid": "to-abort"}).status_code == 200
+            answer = pending.result(timeout=30).json()
+        finally:
+            http.post("/continue_generation", json={})
+    assert answer["meta_info"]["finish_reason"]["type"] == "abort"
+
+
+def test_pause_in_abort_mode_aborts_running_requests(http):
+    http.post("/pause_generation", json={"mode": "in_place"})
+    with ThreadPoolExecutor(1) as pool:
+        try:
+            pending = pool.submit(generate, http, max_new_tokens=8)
+            time.sleep(0.5)
+            assert http.post("/pause_generation", json={"mode": "abort"}).status_code == 200
+            answer = pending.result(timeout=30)
+        finally:
+            http.post("/continue_generation", json={})
+    assert answer[0]["meta_info"]["finish_reason"]["type"] == "abort"
+
+
+MALFORMED = {
+    "bad json": dict(content=b"{not json", headers={"content-type": "application/json"}),
+    "missing input_ids": dict(json={"sampling_params": {}}),
+    "input_ids not a list": dict(json={"input_ids": "hello"}),
+    "empty input_ids": dict(json={"input_ids": []}),
+    "out-of-vocabulary id": dict(json={"input_ids": [1, 10_000_000]}),
+    "negative id": dict(json={"input_ids": [1, -3]}),
+    "negative max_new_tokens": dict(json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": -1}}),
+    "huge max_new_tokens": dict(json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 10**9}}),
+    "temperature below 0": dict(json={"input_ids": [1, 2], "sampling_params": {"temperature": -0.1}}),
+    "n is 0": dict(json={"input_ids": [1, 2], "sampling_params": {"n": 0}}),
+    "unknown sampling field": dict(json={"input_ids": [1, 2], "sampling_params": {"temprature": 1.0}}),
+    "body over the size limit": dict(content=b'{"input_ids": [' + b"1," * 5_000_000 + b"1]}"),
+}
+
+
+@pytest.mark.parametrize("case", list(MALFORMED), ids=list(MALFORMED))
+def test_malformed_requests_get_a_4xx_and_the_server_stays_up(http, case):
+    if BACKEND != "cpu" and case == "body over the size limit":
+        pytest.skip("SGLang sets no body size limit")
+    response = http.post("/generate", **MALFORMED[case])
+    assert 400 <= response.status_code < 500, (case, response.status_code, response.text[:200])
+    assert response.text, "a 4xx must say why"
+    assert http.get("/health").status_code == 200
+    assert generate(http, max_new_tokens=2, ignore_eos=True)[0]["meta_info"]["completion_tokens"] == 2
+
+
+def test_api_key_is_required_on_every_route_but_health(engine):
+    with httpx.Client(base_url=engine.url, timeout=30) as anonymous:
+        assert anonymous.get("/health").status_code == 200
+        assert anonymous.post("/generate", json={"input_ids": PROMPT}).status_code == 401
+        assert anonymous.get("/model_info").status_code == 401
+        assert anonymous.post("/flush_cache").status_code == 401
+        wrong = {"Authorization": "Bearer not-the-key"}
+        assert anonymous.post("/generate", json={"input_ids": PROMPT}, headers=wrong).status_code == 401
+
+
+def test_info_routes_answer_on_new_and_deprecated_paths(http):
+    for path in ("/model_info", "/get_model_info"):
+        info = http.get(path).json()
+        assert info["is_generation"] is True and "weight_version" in info
+    for path in ("/server_info", "/get_server_info"):
+        assert http.get(path).status_code == 200
+    assert http.post("/flush_cache").status_code == 200

@@ -1,0 +1,262 @@
+"""Weight snapshots and manifest commits, on file:// and on SeaweedFS.
+
+The invariants: LATEST only ever names a complete, verifiable snapshot and only moves forward; a
+corrupt byte is detected and named; retention keeps what readers may need and removes MANIFEST
+before anything else; a manifest cannot make a reader write outside its directory."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from configs.schema import ModelConfig
+from infra.manifest import (
+    MANIFEST_FORMAT,
+    ManifestError,
+    build_manifest,
+    commit_directory,
+    fetch_directory,
+    verify_local_dir,
+)
+from infra.modelfactory import build_model, build_tokenizer, load_model, load_tokenizer
+from infra.storage import RunStore
+from tasks.snapshots import (
+    apply_retention,
+    latest_version,
+    load_snapshot,
+    pin_snapshot,
+    publish_snapshot,
+    publish_snapshot_dir,
+    snapshot_prefix,
+    snapshot_versions,
+    unpin_snapshot,
+)
+
+TINY = ModelConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tokenizer()
+
+
+@pytest.fixture
+def model(tokenizer):
+    return build_model(TINY, len(tokenizer), seed=0).eval()
+
+
+def fake_snapshot(tmp_path: Path, version: int) -> Path:
+    """A small directory standing in for an HF model dir (retention does not look inside)."""
+    directory = tmp_path / f"fake-{version}"
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps({"version": version}))
+    (directory / "model.safetensors").write_bytes(bytes([version]) * 100)
+    return directory
+
+
+def test_snapshot_round_trip_gives_identical_logits(store, tmp_path, model, tokenizer) -> None:
+    assert latest_version(store) is None
+    assert publish_snapshot(store, model, tokenizer, version=0) == 0
+    assert latest_version(store) == 0
+    assert snapshot_versions(store) == [0]
+    local = load_snapshot(store, tmp_path / "cache")
+    assert local == tmp_path / "cache" / "v00000000"
+    manifest = verify_local_dir(local)
+    assert manifest["format"] == MANIFEST_FORMAT and manifest["extra"] == {"version": 0}
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(manifest["files"])
+    assert {p.name for p in local.iterdir()} == set(manifest["files"]) | {"MANIFEST.json"}
+    input_ids = torch.tensor([tokenizer.encode("Q 3 7 + 4 5")])
+    with torch.no_grad():
+        expected = model(input_ids).logits
+        assert torch.equal(load_model(local).eval()(input_ids).logits, expected)
+        plain = AutoModelForCausalLM.from_pretrained(local).eval()
+        assert torch.equal(plain(input_ids).logits, expected)
+    assert load_tokenizer(local).encode("Q 3 7 + 4 5") == tokenizer.encode("Q 3 7 + 4 5")
+
+
+def test_flipped_byte_is_detected_and_named(store, tmp_path, model, tokenizer) -> None:
+    publish_snapshot(store, model, tokenizer, version=1)
+    cached = load_snapshot(store, tmp_path / "cache", version=1)
+    # A corrupted local copy is not reused: the next load fetches a fresh, verified one.
+    data = bytearray((cached / "model.safetensors").read_bytes())
+    data[-1] ^= 0xFF
+    (cached / "model.safetensors").write_bytes(bytes(data))
+    with pytest.raises(ManifestError, match="model.safetensors: sha256"):
+        verify_local_dir(cached)
+    assert verify_local_dir(load_snapshot(store, tmp_path / "cache", version=1))
+    # A corrupted object in storage is refused, and nothing is left at the target directory.
+    key = f"{snapshot_prefix(1)}/model.safetensors"
+    store.write_atomic(key, bytes(data))
+    with pytest.raises(ManifestError, match="model.safetensors: sha256"):
+        load_snapshot(store, tmp_path / "fresh", version=1)
+    assert not (tmp_path / "fresh" / "v00000001").exists()
+    assert [p.name for p in (tmp_path / "fresh").iterdir()] == []
+
+
+def test_failed_upload_leaves_latest_unchanged(store, tmp_path, model, tokenizer, monkeypatch) -> None:
+    publish_snapshot(store, model, tokenizer, version=0)
+    real_upload = store.upload
+    uploads = []
+
+    def upload_then_die(local: Path, key: str) -> None:
+        if len(uploads) == 2:
+            raise OSError("writer killed mid-snapshot")
+        uploads.append(key)
+        real_upload(local, key)
+
+    monkeypatch.setattr(store, "upload", upload_then_die)
+    with pytest.raises(OSError, match="killed"):
+        publish_snapshot(store, model, tokenizer, version=1)
+    assert store.list_recursive(snapshot_prefix(1)), "some files were uploaded"
+    assert latest_version(store) == 0
+    assert snapshot_versions(store) == [0]
+    with pytest.raises(ManifestError, match="MANIFEST.json: missing"):
+        load_snapshot(store, tmp_path / "cache", version=1)
+
+    def refuse_commit(key: str, data: bytes) -> bool:
+        raise OSError("no commit")
+
+    monkeypatch.setattr(store, "put_if_absent", refuse_commit)
+    monkeypatch.setattr(store, "upload", real_upload)
+    with pytest.raises(OSError, match="no commit"):
+        publish_snapshot(store, model, tokenizer, version=1)
+    assert latest_version(store) == 0 and snapshot_versions(store) == [0]
+
+    monkeypatch.undo()
+    assert publish_snapshot(store, model, tokenizer, version=1) == 1  # the retry commits
+    assert latest_version(store) == 1
+    assert verify_local_dir(load_snapshot(store, tmp_path / "cache"))["extra"] == {"version": 1}
+
+
+def test_latest_only_moves_forward(store, tmp_path, model, tokenizer, monkeypatch) -> None:
+    publish_snapshot(store, model, tokenizer, version=2)
+    publish_snapshot(store, model, tokenizer, version=1)
+    assert latest_version(store) == 2
+    assert snapshot_versions(store) == [1, 2]
+    uploads = []
+    monkeypatch.setattr(store, "upload", lambda local, key: uploads.append(key))
+    assert publish_snapshot(store, model, tokenizer, version=2) == 2  # a retried publish
+    assert uploads == [], "a committed snapshot is never rewritten"
+    assert latest_version(store) == 2
+    with pytest.raises(ValueError):
+        publish_snapshot(store, model, tokenizer, version=-1)
+
+
+def test_concurrent_reader_only_sees_complete_snapshots(store, tmp_path, model, tokenizer) -> None:
+    versions = range(1, 7)
+    done = threading.Event()
+    seen: list[int] = []
+    errors: list[BaseException] = []
+
+    def reader() -> None:
+        try:
+            while True:
+                finished = done.is_set()  # read before LATEST: the last pass sees the last version
+                version = latest_version(store)
+                if version is not None:
+                    local = load_snapshot(store, tmp_path / "reader", version)
+                    assert verify_local_dir(local)["extra"] == {"version": version}
+                    seen.append(version)
+                if finished:
+                    return
+        except BaseException as err:  # noqa: BLE001 - reported by the main thread
+            errors.append(err)
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    try:
+        for version in versions:
+            with torch.no_grad():
+                model.lm_head.weight[0, 0] = float(version)  # every version has other bytes
+            publish_snapshot(store, model, tokenizer, version)
+    finally:
+        done.set()
+        thread.join(timeout=120)
+    assert not errors, errors
+    assert seen and seen == sorted(seen), "LATEST moved backwards"
+    assert seen[-1] == versions[-1]
+
+
+def test_retention_keeps_last_every_latest_and_pinned(store, tmp_path, monkeypatch) -> None:
+    for version in range(13):
+        publish_snapshot_dir(store, fake_snapshot(tmp_path, version), version)
+    pin_snapshot(store, "gen0", 2)
+    deletions: list[str] = []
+    real_delete = store.delete
+    monkeypatch.setattr(store, "delete", lambda key: (deletions.append(key), real_delete(key)))
+    deleted = apply_retention(store, keep_last=3, keep_every=5, pinned=(7,))
+    assert deleted == [1, 3, 4, 6, 8, 9]
+    assert snapshot_versions(store) == [0, 2, 5, 7, 10, 11, 12]
+    for version in deleted:
+        prefix = snapshot_prefix(version)
+        # (SeaweedFS keeps an empty directory entry, which list_recursive reports as the prefix.)
+        assert not [key for key in store.list_recursive(prefix) if key.startswith(prefix + "/")]
+        mine = [key for key in deletions if key.startswith(prefix + "/")]
+        assert mine[0] == f"{prefix}/MANIFEST.json", f"{prefix}: MANIFEST must go first, got {mine}"
+    assert latest_version(store) == 12
+
+    unpin_snapshot(store, "gen0")
+    assert apply_retention(store, keep_last=3, keep_every=5) == [2, 7]
+
+
+def test_retention_never_deletes_latest(store, tmp_path) -> None:
+    publish_snapshot_dir(store, fake_snapshot(tmp_path, 1), 1)
+    # Committed by a trainer that died before moving LATEST: newer than LATEST.
+    for version in (2, 3):
+        assert commit_directory(store, fake_snapshot(tmp_path, version), snapshot_prefix(version))
+    assert latest_version(store) == 1
+    assert apply_retention(store, keep_last=1, keep_every=100) == [2]
+    assert snapshot_versions(store) == [1, 3]
+
+
+@pytest.mark.parametrize("name", ["../x", "/tmp/x", "sub/../../x", "a\\..\\x", ".hidden", "", "a//b"])
+def test_manifest_with_unsafe_name_is_refused(store: RunStore, tmp_path, name) -> None:
+    manifest = {"format": MANIFEST_FORMAT, "files": {name: {"size": 1, "sha256": "0" * 64}}}
+    store.put_if_absent("weights/v00000009/MANIFEST.json", json.dumps(manifest).encode())
+    store.write_atomic("weights/v00000009/x", b"x")
+    with pytest.raises(ManifestError, match="not a plain relative file name"):
+        fetch_directory(store, "weights/v00000009", tmp_path / "reader" / "cache" / "v9")
+    assert not (tmp_path / "reader").exists() and not (tmp_path / "x").exists()
+
+
+def test_manifest_checks_shape_and_sizes_before_downloading(store: RunStore, tmp_path) -> None:
+    entry = {"size": 2**50, "sha256": "0" * 64}
+    huge = {"format": MANIFEST_FORMAT, "files": {"model.safetensors": entry}}
+    store.put_if_absent("a/MANIFEST.json", json.dumps(huge).encode())
+    with pytest.raises(ManifestError, match="invalid size"):
+        fetch_directory(store, "a", tmp_path / "a")
+    store.put_if_absent("b/MANIFEST.json", b"{not json")
+    with pytest.raises(ManifestError, match="not JSON"):
+        fetch_directory(store, "b", tmp_path / "b")
+    lying = {"format": MANIFEST_FORMAT, "files": {"x.bin": {"size": 3, "sha256": "0" * 64}}}
+    store.put_if_absent("c/MANIFEST.json", json.dumps(lying).encode())
+    store.write_atomic("c/x.bin", b"much longer than three bytes")
+    with pytest.raises(ManifestError, match="x.bin: size"):
+        fetch_directory(store, "c", tmp_path / "c")
+    with pytest.raises(ManifestError, match="MANIFEST.json: missing"):
+        verify_local_dir(tmp_path)
+
+
+def test_nested_names_round_trip_and_unlisted_files_are_ignored(store: RunStore, tmp_path) -> None:
+    source = tmp_path / "source"
+    (source / "original").mkdir(parents=True)
+    (source / "original" / "params.json").write_text("{}")
+    (source / "config.json").write_text('{"a": 1}')
+    (source / ".write.tmp").write_text("a temporary: not part of the directory")
+    assert set(build_manifest(source)["files"]) == {"config.json", "original/params.json"}
+    assert commit_directory(store, source, "d", extra={"note": "nested"})
+    assert not commit_directory(store, source, "d")
+    local = tmp_path / "fetched"
+    assert fetch_directory(store, "d", local)["extra"] == {"note": "nested"}
+    assert (local / "original" / "params.json").read_text() == "{}"
+    assert not (local / ".write.tmp").exists()
+    (local / "unlisted.txt").write_text("ignored")
+    verify_local_dir(local)
+    (local / "config.json").unlink()
+    with pytest.raises(ManifestError, match="config.json: listed in the manifest but missing"):
+        verify_local_dir(local)
