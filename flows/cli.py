@@ -9,6 +9,7 @@ written nothing.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 import threading
@@ -20,6 +21,9 @@ import yaml
 from rich.console import Console
 
 from configs import ConfigError, RunConfig, load_config
+
+# transformers draws a progress bar for every tiny save and load; tandem draws its own.
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 app = typer.Typer(
     help="tandem: agentic RL with inference and training scaled independently.",
@@ -55,6 +59,26 @@ def resolve_config(config: Path | None, overrides: list[str] | None) -> RunConfi
         return load_config(config, overrides or ())
     except ConfigError as err:
         fail(str(err))
+
+
+@app.command("init")
+def init(
+    config: ConfigFile,
+    overrides: Overrides = None,
+    run_id: Annotated[str | None, typer.Option("--run-id", help="Run id (overrides run_id in the file).")] = None,
+) -> None:
+    """Create a run directory: the resolved config.json and the initial weight snapshot v0."""
+    from tasks.rundir import RunConflict, initialize_run
+    from tasks.snapshots import snapshot_versions
+
+    resolved = resolve_config(config, [*(overrides or []), *([f"run_id={run_id}"] if run_id else [])])
+    try:
+        with console.status(f"initialising run {resolved.run_id}"):
+            store = initialize_run(resolved)
+    except RunConflict as err:
+        fail(str(err))
+    console.print(f"run directory: [bold]{store.url}[/]")
+    console.print(f"snapshots: {snapshot_versions(store)}; files: {len(store.list_recursive(''))}")
 
 
 @config_app.command("show")

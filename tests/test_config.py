@@ -122,3 +122,29 @@ def test_console_script_exit_code_is_2_for_a_bad_config(tmp_path: Path):
     )
     assert done.returncode == 2
     assert "lag.max_lag" in done.stderr
+
+
+def test_init_writes_config_and_snapshot_once_and_refuses_a_changed_config(tmp_path: Path):
+    root = f"file://{tmp_path}/runs"
+    args = ["init", str(CONFIG_DIR / "tiny.yaml"), "--set", f"storage.root={root}", "--run-id", "r1"]
+    first = runner.invoke(app, args)
+    assert first.exit_code == 0, first.output
+    run_dir = tmp_path / "runs" / "r1"
+    recorded = json.loads((run_dir / "config.json").read_text())
+    assert recorded["run_id"] == "r1" and recorded["storage"]["root"] == root
+    assert (run_dir / "weights" / "v00000000" / "MANIFEST.json").exists()
+    assert json.loads((run_dir / "weights" / "LATEST").read_text()) == {"version": 0}
+    before = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")}
+
+    assert runner.invoke(app, args).exit_code == 0, "init is idempotent"
+    changed = runner.invoke(app, [*args, "--set", "lag.max_lag=4"])
+    assert changed.exit_code == 2
+    assert "lag.max_lag" in changed.output
+    assert {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")} == before, "a refused init wrote something"
+
+
+def test_init_with_a_bad_config_writes_nothing(tmp_path: Path):
+    result = runner.invoke(app, ["init", str(CONFIG_DIR / "tiny.yaml"), "--set", f"storage.root=file://{tmp_path}/runs", "--set", "lag.max_lag=-1"])
+    assert result.exit_code == 2
+    assert "lag.max_lag" in result.output
+    assert list(tmp_path.iterdir()) == []

@@ -1,0 +1,66 @@
+"""Starting a run directory: the resolved config, written once, and the initial snapshot v0.
+
+`initialize_run` is what every entry point does first (`tandem init`, and the pipeline flow).
+It is idempotent, so a restarted pipeline calls it again safely; and it refuses to reuse a run
+id whose recorded config differs, because a run directory whose shards and snapshots came from
+two configs cannot be trained on or compared honestly.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+from configs.schema import RunConfig
+from infra.modelfactory import prepare_initial_model
+from infra.storage import RunStore, open_run_store
+from tasks.snapshots import latest_version, publish_snapshot_dir, snapshot_versions
+
+CONFIG_KEY = "config.json"
+
+
+class RunConflict(ValueError):
+    """The run id exists with a different configuration."""
+
+
+def config_document(config: RunConfig) -> bytes:
+    """The bytes of config.json: the resolved config with secrets masked, keys sorted."""
+    return json.dumps(config.model_dump(mode="json"), indent=2, sort_keys=True).encode()
+
+
+def write_run_config(store: RunStore, config: RunConfig) -> bool:
+    """Record the config (once). Returns True if written now, False if the same one was there."""
+    document = config_document(config)
+    if store.put_if_absent(CONFIG_KEY, document):
+        return True
+    recorded = json.loads(store.read_bytes(CONFIG_KEY))
+    if recorded != json.loads(document):
+        changed = sorted(_changed_fields(recorded, json.loads(document)))
+        raise RunConflict(
+            f"run {config.run_id!r} at {store.url} was started with a different config "
+            f"(differs in: {', '.join(changed)}); use another --run-id or the recorded config"
+        )
+    return False
+
+
+def initialize_run(config: RunConfig) -> RunStore:
+    """Open the run directory, record the config, and publish the initial model as v0 once."""
+    store = open_run_store(config.storage, config.run_id)
+    write_run_config(store, config)
+    if 0 not in snapshot_versions(store) and latest_version(store) is None:
+        with tempfile.TemporaryDirectory(prefix="tandem-init-") as staging:
+            model_dir = prepare_initial_model(config.model, Path(staging) / "model", config.seed)
+            publish_snapshot_dir(store, model_dir, 0)
+    return store
+
+
+def _changed_fields(old: dict, new: dict, prefix: str = "") -> list[str]:
+    changed = []
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            changed += _changed_fields(a, b, f"{prefix}{key}.")
+        elif a != b:
+            changed.append(f"{prefix}{key}")
+    return changed
