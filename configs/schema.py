@@ -61,8 +61,8 @@ class EngineConfig(Section):
     """`cpu`: tandem's own engine (laptops, CI); `sglang`: real SGLang servers (GPU machines)."""
     host: str = "127.0.0.1"
     """Address engines bind; loopback unless you mean to expose them."""
-    base_port: int = Field(30000, ge=1024, le=65000)
-    """Port of the first engine; engine i listens on base_port + i."""
+    base_port: int = Field(0, ge=0, le=65000)
+    """Port of the first engine (engine i listens on base_port + i); 0 picks free ports."""
     api_key: SecretStr | None = None
     """Bearer token every engine request must carry (SGLang's --api-key); null disables it."""
     max_batch_size: int = Field(32, ge=1, le=1024)
@@ -109,8 +109,10 @@ class TrainingConfig(Section):
     """Gradient-norm clipping threshold."""
     clip_eps: float = Field(0.2, gt=0, le=10)
     """PPO-clip epsilon of the token-level ratio."""
-    is_cap: float | None = Field(2.0, gt=0, le=1e6)
-    """Cap of the truncated importance weight against behaviour logprobs; null turns it off."""
+    is_cap: float | None = Field(3.0, gt=1, le=1e6)
+    """Cap (> 1) of the truncated importance weight (dual-clip on negative advantages); null: off."""
+    importance_correction: bool = True
+    """PPO-clip ratio against behaviour logprobs; false trains as if every sample were on-policy."""
     kl_coef: float = Field(0.0, ge=0, le=100)
     """Weight of the KL term against the initial policy; 0 disables it."""
     entropy_coef: float = Field(0.0, ge=0, le=100)
@@ -188,8 +190,8 @@ class DaskConfig(Section):
     """Scheduler address of an existing cluster; null starts a LocalCluster."""
     n_workers: int = Field(2, ge=1, le=1024)
     """Worker processes of the LocalCluster."""
-    threads_per_worker: int = Field(1, ge=1, le=256)
-    """Threads per LocalCluster worker."""
+    threads_per_worker: int = Field(4, ge=1, le=256)
+    """Threads per LocalCluster worker (episodes mostly wait on engines, so a few per core)."""
 
 
 class PrefectConfig(Section):
@@ -228,6 +230,19 @@ class RunConfig(Section):
     """The Dask cluster for episodes."""
     prefect: PrefectConfig = Field(default_factory=PrefectConfig)
     """How the flows are run."""
+
+    @model_validator(mode="after")
+    def _generators_can_stay_fresh(self) -> RunConfig:
+        # Admission lets a generator start work for batch b only on weights >= b - max_lag. If
+        # snapshots came out less often than every max_lag + 1 steps, no published snapshot
+        # would ever be fresh enough and the run would wait forever.
+        if self.training.publish_every > self.lag.max_lag + 1:
+            raise ValueError(
+                f"training.publish_every ({self.training.publish_every}) must be at most "
+                f"lag.max_lag + 1 ({self.lag.max_lag + 1}): generators need a snapshot at most "
+                "max_lag versions old"
+            )
+        return self
 
     @field_validator("run_id")
     @classmethod

@@ -13,9 +13,10 @@ import tempfile
 from pathlib import Path
 
 from configs.schema import RunConfig
-from infra.modelfactory import prepare_initial_model
+from infra.modelfactory import load_model, load_tokenizer, prepare_initial_model
 from infra.storage import RunStore, open_run_store
-from tasks.snapshots import latest_version, publish_snapshot_dir, snapshot_versions
+from tasks.snapshots import latest_version, publish_snapshot, publish_snapshot_dir, snapshot_versions
+from tasks.warmup import warm_start
 
 CONFIG_KEY = "config.json"
 
@@ -45,13 +46,19 @@ def write_run_config(store: RunStore, config: RunConfig) -> bool:
 
 
 def initialize_run(config: RunConfig) -> RunStore:
-    """Open the run directory, record the config, and publish the initial model as v0 once."""
+    """Open the run directory, record the config, and publish the initial model as v0 once:
+    warm-started on the environment's demonstrations when training.warmup_steps > 0."""
     store = open_run_store(config.storage, config.run_id)
     write_run_config(store, config)
     if 0 not in snapshot_versions(store) and latest_version(store) is None:
         with tempfile.TemporaryDirectory(prefix="tandem-init-") as staging:
             model_dir = prepare_initial_model(config.model, Path(staging) / "model", config.seed)
-            publish_snapshot_dir(store, model_dir, 0)
+            if config.training.warmup_steps == 0:
+                publish_snapshot_dir(store, model_dir, 0)
+            else:
+                model, tokenizer = load_model(model_dir), load_tokenizer(model_dir)
+                warm_start(model, tokenizer, config)
+                publish_snapshot(store, model, tokenizer, 0, staging_dir=Path(staging))
     return store
 
 

@@ -1,0 +1,48 @@
+"""The evaluation flow: score one pinned snapshot on the held-out prompts, beside training.
+
+It starts its own engine on the snapshot (pinned, so retention keeps it while it is read),
+runs greedy episodes through the same rollout code as training, and appends the score to
+metrics/evaluation.jsonl.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+from pathlib import Path
+
+from prefect import flow
+
+from configs.schema import RunConfig
+from infra.engines.client import EngineClient
+from infra.engines.fleet import EngineFleet
+from infra.modelfactory import load_tokenizer
+from infra.storage import open_run_store
+from tasks.evaluation import evaluate
+from tasks.metrics import MetricsLog
+from tasks.snapshots import latest_version, load_snapshot, pin_snapshot, unpin_snapshot
+
+
+@flow(name="evaluation", log_prints=True)
+def evaluation(config: RunConfig, version: int | None = None) -> dict:
+    """Greedy score of snapshot `version` (default: LATEST) on the held-out prompts."""
+    store = open_run_store(config.storage, config.run_id)
+    version = latest_version(store) if version is None else version
+    consumer = f"eval-v{version}"
+    pin_snapshot(store, consumer, version)
+    try:
+        cache = Path(tempfile.mkdtemp(prefix="tandem-eval-"))
+        model_dir = load_snapshot(store, cache, version)
+        with EngineFleet(config.engine, 1, model_dir, version, cache / "logs") as fleet:
+
+            async def score() -> dict:
+                async with EngineClient(fleet.urls, api_key=fleet.api_key) as client:
+                    return await evaluate(client, load_tokenizer(model_dir), config, version)
+
+            result = asyncio.run(score())
+    finally:
+        unpin_snapshot(store, consumer)
+    metrics = MetricsLog(store, "evaluation", flush_seconds=0)
+    metrics.log("evaluation", **result)
+    print(f"v{version}: score {result['score']:.3f}, solved {result['solved']:.1%} of {result['prompts']} held-out prompts")
+    return result

@@ -1,0 +1,107 @@
+"""The generation flow: engines up, then claim slots and run groups until training is done.
+
+Prefect sees coarse units: one `generate_chunk` task run per `generation.prompts_per_chunk`
+groups, with retries. Inside it the groups fan out as plain Dask work on the flow's own cluster
+(`get_dask_client`), because a Prefect task run costs about 100 times a Dask task. Several chunks
+stay in flight so that the engines' batches stay full while a chunk's slowest episode finishes.
+
+Between chunks the flow restarts dead engines on the current snapshot and loads newer snapshots
+(pause -> load -> continue), and it stops when the trainer's published state says done.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import tempfile
+import time
+from pathlib import Path
+
+from distributed import as_completed
+from prefect import flow, task
+from prefect.cache_policies import NONE
+from prefect_dask import DaskTaskRunner, get_dask_client
+
+from configs.schema import RunConfig
+from infra.engines.fleet import EngineFleet
+from infra.storage import open_run_store
+from tasks.generator import GroupResult, GroupSpec, Generator, generate_group, snapshot_dir_for_engines
+from tasks.lag import read_trainer_state
+from tasks.metrics import MetricsLog
+
+
+@task(cache_policy=NONE, retries=2, retry_delay_seconds=[1, 5], timeout_seconds=1800)
+def generate_chunk(specs: list[GroupSpec]) -> list[GroupResult]:
+    """Generate and commit a chunk of groups, fanned out on Dask; a retry skips committed groups."""
+    with get_dask_client() as client:
+        futures = client.map(generate_group, specs, pure=False)
+        return [future.result() for future in as_completed(futures)]
+
+
+def dask_task_runner(config: RunConfig) -> DaskTaskRunner:
+    """The run's Dask cluster: the scheduler at dask.address, or a LocalCluster of processes."""
+    if config.dask.address:
+        return DaskTaskRunner(address=config.dask.address)
+    return DaskTaskRunner(
+        cluster_class="distributed.LocalCluster",
+        cluster_kwargs={"n_workers": config.dask.n_workers, "threads_per_worker": config.dask.threads_per_worker,
+                        "processes": True, "dashboard_address": None, "silence_logs": logging.WARNING},
+    )  # fmt: skip
+
+
+def chunks_in_flight(config: RunConfig) -> int:
+    """Enough chunks in flight to fill every engine's batch about twice over."""
+    sequences = config.generation.engines * config.engine.max_batch_size * 2
+    per_chunk = config.generation.samples_per_prompt * config.generation.prompts_per_chunk
+    return max(1, math.ceil(sequences / per_chunk))
+
+
+@flow(name="generation", log_prints=True)
+def generation(config: RunConfig, producer: str = "gen0") -> dict:
+    """Generate rollouts for `config`'s run until its trainer is done; returns counts."""
+    store = open_run_store(config.storage, config.run_id)
+    cache = Path(tempfile.mkdtemp(prefix=f"tandem-{producer}-"))
+    model_dir, version = snapshot_dir_for_engines(config, cache)
+    metrics = MetricsLog(store, f"generator-{producer}")
+    totals = {"groups": 0, "samples": 0, "engine_restarts": 0, "weight_updates": 0}
+    fleet = EngineFleet(config.engine, config.generation.engines, model_dir, version, cache / "logs")
+    with fleet:
+        generator = Generator(config, producer, fleet, cache)
+        in_flight = []
+        busy_since, idle_seconds = time.monotonic(), 0.0
+        while not read_trainer_state(store).done:
+            if fleet.restart_dead():
+                totals["engine_restarts"] = fleet.restarts
+            if generator.refresh_weights():
+                totals["weight_updates"] += 1
+                metrics.log("weights_loaded", version=fleet.version)
+            for future in [f for f in in_flight if f.state.is_final()]:
+                in_flight.remove(future)
+                _record(metrics, totals, future.result(), fleet.version)
+            specs = generator.claim_specs(config.generation.prompts_per_chunk) if len(in_flight) < chunks_in_flight(config) else []
+            if specs:
+                in_flight.append(generate_chunk.submit(specs))
+            elif not in_flight:
+                idle_started = time.monotonic()
+                time.sleep(0.1)
+                idle_seconds += time.monotonic() - idle_started
+            else:
+                time.sleep(0.05)
+        for future in in_flight:
+            _record(metrics, totals, future.result(), fleet.version)
+    totals.pop("keys", None)
+    metrics.log("finished", busy_seconds=time.monotonic() - busy_since - idle_seconds, idle_seconds=idle_seconds, **totals)
+    metrics.flush()
+    return totals
+
+
+def _record(metrics: MetricsLog, totals: dict, results: list[GroupResult], version: int) -> None:
+    """Log each committed group once, also one that a failed attempt of its chunk committed."""
+    for result in results:
+        if result.key not in totals.setdefault("keys", set()):
+            totals["keys"].add(result.key)
+            totals["groups"] += 1
+            totals["samples"] += result.samples
+            metrics.log("group", slot=result.slot, key=result.key, samples=result.samples,
+                        reward_mean=result.reward_mean, policy_version=result.policy_version,
+                        loaded_version=version, seconds=result.seconds)  # fmt: skip

@@ -1,0 +1,42 @@
+"""Console progress of a running pipeline: train steps, episodes, policy version and lag.
+
+It reads what the components publish in the run directory (the trainer state and the metrics
+files), the same things any observer of the run could read, so it works unchanged whether the
+children run in this process or on other machines.
+"""
+
+from __future__ import annotations
+
+import time
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from configs.schema import RunConfig
+from infra.storage import open_run_store
+from tasks.lag import read_trainer_state
+from tasks.metrics import read_metrics
+
+
+def watch_run(config: RunConfig, futures: list, poll_seconds: float = 1.0) -> None:
+    """Draw progress bars until every future is done."""
+    store = open_run_store(config.storage, config.run_id)
+    steps = config.training.steps
+    with Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+        TimeElapsedColumn(), console=Console(stderr=True), transient=False,
+    ) as progress:  # fmt: skip
+        train = progress.add_task("train steps", total=steps, info="")
+        episodes = progress.add_task("episodes   ", total=steps * config.training.prompts_per_step * config.generation.samples_per_prompt, info="")
+        while not all(f.state.is_final() for f in futures):
+            state = read_trainer_state(store)
+            trainer = [r for r in read_metrics(store, "trainer") if r["event"] == "train_step"]
+            last = trainer[-1] if trainer else {}
+            progress.update(train, completed=state.version, info=f"v{state.version} reward {last.get('reward_mean', 0):.2f} lag<={last.get('lag_max', 0)}")
+            generated = sum(r.get("samples", 0) for name in _generator_files(store) for r in read_metrics(store, name) if r["event"] == "group")
+            progress.update(episodes, completed=generated, info=f"dropped {last.get('dropped_stale', 0)}")
+            time.sleep(poll_seconds)
+
+
+def _generator_files(store) -> list[str]:
+    return [k.rsplit("/", 1)[-1].removesuffix(".jsonl") for k in store.list("metrics") if "/generator-" in k]

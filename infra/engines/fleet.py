@@ -1,0 +1,92 @@
+"""A generation run's engines: start N of them, keep them alive, move them to new weights.
+
+`EngineFleet` owns the engine processes of one generator (CPU engines or SGLang servers, by
+`engine.backend`). `restart_dead` is called between chunks of work: an engine that died
+(preempted, OOM-killed, SIGKILLed) is started again on the snapshot the fleet is on, so it comes
+back with the same weights as its siblings; meanwhile the rollout clients have already moved its
+requests to the live engines. `update_weights` moves every live engine with the client's
+pause -> load -> continue and records the version the fleet is on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+
+from configs.schema import EngineConfig
+from infra.engines.client import EngineClient, WeightSyncResult
+from infra.engines.process import EngineProcess, cpu_engine_process
+from infra.seaweed import free_port_block
+
+log = logging.getLogger(__name__)
+
+
+class EngineFleet:
+    """N engine processes serving the same weights."""
+
+    def __init__(self, engine: EngineConfig, count: int, model_dir: Path, version: int, log_dir: Path):
+        self.engine = engine
+        self.model_dir = model_dir
+        self.version = version
+        self.log_dir = log_dir
+        base = engine.base_port or free_port_block(count=count)
+        self.ports = [base + i for i in range(count)]
+        self.processes: list[EngineProcess] = [self._process(port) for port in self.ports]
+        self.restarts = 0
+
+    @property
+    def urls(self) -> list[str]:
+        return [p.url for p in self.processes]
+
+    @property
+    def api_key(self) -> str | None:
+        return self.engine.api_key.get_secret_value() if self.engine.api_key else None
+
+    def start(self, timeout: float = 300.0) -> EngineFleet:
+        for process in self.processes:
+            process.start(timeout)
+        return self
+
+    def stop(self) -> None:
+        for process in self.processes:
+            process.stop()
+
+    def restart_dead(self, timeout: float = 300.0) -> list[str]:
+        """Start again every engine whose process has exited, on the fleet's current weights."""
+        restarted = []
+        for i, process in enumerate(self.processes):
+            if not process.is_running():
+                log.warning("engine %s died (exit %s); restarting on v%d", process.url, process.process.returncode, self.version)
+                self.processes[i] = self._process(self.ports[i]).start(timeout)
+                self.restarts += 1
+                restarted.append(process.url)
+        return restarted
+
+    def update_weights(self, model_dir: Path, version: int, timeout: float = 120.0) -> list[WeightSyncResult]:
+        """Load snapshot `version` (a verified local directory) into every engine."""
+
+        async def sync() -> list[WeightSyncResult]:
+            async with EngineClient(self.urls, api_key=self.api_key, retry_seconds=timeout) as client:
+                return await client.update_weights(str(model_dir), str(version), timeout=timeout)
+
+        results = asyncio.run(sync())
+        self.model_dir, self.version = model_dir, version
+        return results
+
+    def _process(self, port: int) -> EngineProcess:
+        log_path = self.log_dir / f"engine-{port}.log"
+        if self.engine.backend == "sglang":
+            from infra.engines.sglang import sglang_engine_process
+
+            return sglang_engine_process(self.engine, str(self.model_dir), port, log_path, weight_version=str(self.version))
+        return cpu_engine_process(
+            self.model_dir, port, log_path, host=self.engine.host, api_key=self.api_key,
+            max_batch_size=self.engine.max_batch_size, weight_version=str(self.version),
+        )  # fmt: skip
+
+    def __enter__(self) -> EngineFleet:
+        return self.start()
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()

@@ -1,0 +1,44 @@
+"""Evaluation: greedy decoding of held-out prompts against engines serving a pinned snapshot.
+
+It runs the same rollout code as training (tasks/rollout.py) with temperature 0 and one sample
+per prompt, so what is measured is exactly the agent loop that is trained, multi-turn tool calls
+included. The score is the mean reward, and `solved` the fraction of episodes with reward 1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from transformers import PreTrainedTokenizerBase
+
+from configs.schema import RunConfig
+from infra.engines.api import SamplingParams
+from infra.engines.client import EngineClient
+from tasks.envs import load_environment
+from tasks.rollout import run_episode
+
+
+async def evaluate(client: EngineClient, tokenizer: PreTrainedTokenizerBase, config: RunConfig, version: int, concurrency: int = 64) -> dict:
+    """Score `version` (already loaded in the engines behind `client`) on the held-out prompts."""
+    env_cls = load_environment(config.env.entrypoint)
+    make_env = lambda: env_cls(max_turns=config.env.max_turns, **config.env.kwargs)  # noqa: E731
+    prompts = make_env().prompts("eval", config.env.eval_prompts, config.seed)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=config.generation.max_new_tokens)
+    limit = asyncio.Semaphore(concurrency)
+
+    async def one(prompt):
+        async with limit:
+            return await run_episode(
+                client, make_env(), prompt, tokenizer, greedy, max_turns=config.env.max_turns,
+                context_length=config.model.max_position_embeddings, loaded_version=version,
+                group_id=f"eval-{prompt.prompt_id}", producer="eval",
+            )  # fmt: skip
+
+    episodes = await asyncio.gather(*(one(p) for p in prompts))
+    rewards = [e.reward for e in episodes]
+    return {
+        "version": version,
+        "score": sum(rewards) / len(rewards),
+        "solved": sum(r >= 1.0 for r in rewards) / len(rewards),
+        "prompts": len(rewards),
+    }

@@ -1,0 +1,203 @@
+"""The generation side: claim admission slots, keep engines on fresh weights, run groups on Dask.
+
+Two halves, split by where they run:
+
+- `Generator` lives in the generation flow's process. It owns the admission state of one
+  producer: it reads the trainer's published state, claims slots up to the lag capacity
+  (tasks/lag.py), loads the newest snapshot into its engines before work that needs it, and turns
+  claimed slots into `GroupSpec`s: small, picklable descriptions of one group's work.
+- `generate_group` runs on a Dask worker, one call per group: it plays `samples` episodes of the
+  slot's prompt against the engines (tasks/rollout.py) and commits them as one shard, keyed by
+  producer and slot. A retried group first looks for its own shard and, if it is committed,
+  returns it instead of generating again: a slot is written once, whatever fails around it.
+
+Slot s always maps to the same training prompt (s modulo the prompt count), so a retried slot
+regenerates the same prompt and the group id (the slot) is stable across retries.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import os
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from transformers import PreTrainedTokenizerBase
+
+from configs.schema import RunConfig, StorageConfig
+from infra.engines.api import SamplingParams
+from infra.engines.client import EngineClient
+from infra.engines.fleet import EngineFleet
+from infra.modelfactory import load_tokenizer
+from infra.storage import RunStore, open_run_store
+from tasks.envs import Prompt, load_environment
+from tasks.lag import SlotClaims, admission_capacity, read_trainer_state, required_version
+from tasks.rollout import run_group
+from tasks.shards import MAX_SEQ, shard_key, write_shard
+from tasks.snapshots import latest_version, load_snapshot, pin_snapshot, snapshot_prefix
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """Everything a Dask worker needs to generate and commit one group."""
+
+    slot: int
+    prompt: Prompt
+    producer: str
+    loaded_version: int
+    engine_urls: tuple[str, ...]
+    run_id: str
+    storage: StorageConfig
+    env_entrypoint: str
+    env_kwargs: dict = field(default_factory=dict)
+    max_turns: int = 2
+    samples: int = 8
+    sampling: dict = field(default_factory=dict)
+    context_length: int = 64
+    api_key: str | None = None
+    request_timeout: float = 120.0
+
+
+@dataclass(frozen=True)
+class GroupResult:
+    """What came of one group: its shard and a few numbers for metrics."""
+
+    slot: int
+    key: str
+    created: bool
+    samples: int
+    reward_mean: float
+    policy_version: int
+    seconds: float
+
+
+def generate_group(spec: GroupSpec) -> GroupResult:
+    """Play one group and commit its shard (runs on a Dask worker)."""
+    started = time.monotonic()
+    store = open_run_store(spec.storage, spec.run_id)
+    existing = _committed_shard(store, spec)
+    if existing is not None:
+        return GroupResult(spec.slot, existing, False, spec.samples, 0.0, -1, time.monotonic() - started)
+    tokenizer = _tokenizer(store)
+    env_cls = load_environment(spec.env_entrypoint)
+
+    async def play():
+        async with EngineClient(list(spec.engine_urls), api_key=spec.api_key, request_timeout=spec.request_timeout) as client:
+            return await run_group(
+                client, lambda: env_cls(max_turns=spec.max_turns, **spec.env_kwargs), spec.prompt, spec.samples,
+                tokenizer, SamplingParams(**spec.sampling), max_turns=spec.max_turns,
+                context_length=spec.context_length, loaded_version=spec.loaded_version,
+                group_id=f"s{spec.slot:08d}", producer=spec.producer,
+            )  # fmt: skip
+
+    rollouts = asyncio.run(play())
+    written = write_shard(store, rollouts, spec.producer, spec.slot)
+    rewards = [r.reward for r in rollouts]
+    return GroupResult(
+        spec.slot, written.key, written.created, len(rollouts), sum(rewards) / len(rewards),
+        min(r.policy_version for r in rollouts), time.monotonic() - started,
+    )  # fmt: skip
+
+
+def _committed_shard(store, spec: GroupSpec) -> str | None:
+    """The key of this producer's shard for this slot if a previous attempt committed it."""
+    newest = latest_version(store) or 0
+    for version in range(spec.loaded_version, newest + 1):
+        key = shard_key(version, spec.producer, spec.slot)
+        if store.exists(key):
+            return key
+    return None
+
+
+_TOKENIZERS: dict[str, PreTrainedTokenizerBase] = {}
+_TOKENIZER_LOCK = threading.Lock()
+
+
+def _tokenizer(store: RunStore) -> PreTrainedTokenizerBase:
+    """The run's tokenizer, fetched once per worker process from snapshot v0 (verified).
+
+    One fetch per process (the lock) into a directory of its own (the pid): a worker runs several
+    groups in threads, and several workers share the machine."""
+    with _TOKENIZER_LOCK:
+        if store.url not in _TOKENIZERS:
+            digest = hashlib.sha256(store.url.encode()).hexdigest()[:16]
+            cache = Path(tempfile.gettempdir()) / "tandem-tokenizers" / f"{digest}-{os.getpid()}"
+            _TOKENIZERS[store.url] = load_tokenizer(load_snapshot(store, cache, version=0))
+        return _TOKENIZERS[store.url]
+
+
+class Generator:
+    """One producer's admission state, engines and weights."""
+
+    def __init__(self, config: RunConfig, producer: str, fleet: EngineFleet, cache_dir: Path):
+        if config.training.prompts_per_step * config.training.steps > MAX_SEQ:
+            raise ValueError("more slots than a shard key's 6-digit sequence can number")
+        self.config = config
+        self.producer = producer
+        self.fleet = fleet
+        self.cache_dir = cache_dir
+        self.store = open_run_store(config.storage, config.run_id)
+        self.claims = SlotClaims(self.store, producer, config.training.prompts_per_step)
+        env = load_environment(config.env.entrypoint)(max_turns=config.env.max_turns, **config.env.kwargs)
+        self.prompts = env.prompts("train", config.env.train_prompts, config.seed)
+        self.waiting_seconds = 0.0
+
+    @property
+    def loaded_version(self) -> int:
+        return self.fleet.version
+
+    def refresh_weights(self) -> bool:
+        """Load the newest committed snapshot into the engines if it is newer; True if it was."""
+        newest = latest_version(self.store)
+        if newest is None or newest <= self.fleet.version:
+            return False
+        pin_snapshot(self.store, self.producer, newest)
+        local = load_snapshot(self.store, self.cache_dir / "weights", newest)
+        results = self.fleet.update_weights(local, newest)
+        failed = [r for r in results if not r.ok]
+        if failed:
+            log.warning("engines failed to load v%d: %s", newest, [(r.url, r.message) for r in failed])
+        return True
+
+    def claim_specs(self, most: int) -> list[GroupSpec]:
+        """Claim up to `most` slots that admission allows on the loaded weights (maybe none)."""
+        state = read_trainer_state(self.store)
+        if state.done:
+            return []
+        lag, per_step = self.config.lag.max_lag, self.config.training.prompts_per_step
+        capacity = admission_capacity(state.version, lag, per_step, state.lost_groups)
+        specs = []
+        while len(specs) < most and required_version(self.claims.next_slot, lag, per_step) <= self.loaded_version:
+            slot = self.claims.claim(capacity)
+            if slot is None:
+                break
+            specs.append(self.spec(slot))
+        return specs
+
+    def spec(self, slot: int) -> GroupSpec:
+        gen, cfg = self.config.generation, self.config
+        sampling = {"temperature": gen.temperature, "top_p": gen.top_p, "top_k": gen.top_k, "max_new_tokens": gen.max_new_tokens}
+        return GroupSpec(
+            slot=slot, prompt=self.prompts[slot % len(self.prompts)], producer=self.producer,
+            loaded_version=self.loaded_version, engine_urls=tuple(self.fleet.urls), run_id=cfg.run_id,
+            storage=cfg.storage, env_entrypoint=cfg.env.entrypoint, env_kwargs=dict(cfg.env.kwargs),
+            max_turns=cfg.env.max_turns, samples=gen.samples_per_prompt, sampling=sampling,
+            context_length=cfg.model.max_position_embeddings, api_key=self.fleet.api_key,
+            request_timeout=cfg.engine.request_timeout_s,
+        )  # fmt: skip
+
+
+def snapshot_dir_for_engines(config: RunConfig, cache_dir: Path) -> tuple[Path, int]:
+    """The newest snapshot as a verified local directory, to start engines on."""
+    store = open_run_store(config.storage, config.run_id)
+    version = latest_version(store)
+    if version is None:
+        raise FileNotFoundError(f"no snapshot under {store.url_of(snapshot_prefix(0))}: run `tandem init` first")
+    return load_snapshot(store, cache_dir / "weights", version), version

@@ -1,0 +1,195 @@
+"""The training side's loop: admit a batch from the run directory, step, publish, checkpoint.
+
+`Learner` is what the training flow runs, one `train_step` per Prefect task run. Each step:
+
+1. `admit_batch` lists shards in the lag window [V - max_lag, V] (a few prefix listings), and
+   gives a version directory that falls out of the window one last look, dropping what is left
+   there as stale. Groups are picked oldest first (tasks/lag.py `select_batch`), read and
+   validated; a bad shard goes to quarantine and another group takes its place. It waits
+   (polling, counted as idle time) until `prompts_per_step` trainable groups are there.
+2. Group-normalised advantages, one RL optimizer step (tasks/trainer.py): V becomes V+1.
+3. Every `publish_every` steps a snapshot; then the trainer state (version, groups lost) that
+   generators size their admission by; every `checkpoint_every` steps a checkpoint with the
+   ledger.
+
+The ledger records every shard key the learner has disposed of (trained, dropped stale,
+quarantined) and every trained group id. It is saved in each checkpoint, so a restarted trainer
+resumes at the checkpoint's step knowing exactly which shards that lineage of weights has seen:
+none is trained twice, and none that it had not trained is skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import pyarrow as pa
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from configs.schema import RunConfig
+from infra.storage import RunStore
+from tasks.checkpoints import latest_checkpoint_step, load_checkpoint, save_checkpoint
+from tasks.lag import Candidate, TrainerState, lag_of, publish_trainer_state, select_batch
+from tasks.loss import group_advantages
+from tasks.metrics import MetricsLog
+from tasks.shards import list_shards, parse_shard_key, read_valid_shards, table_to_rollouts
+from tasks.snapshots import apply_retention, publish_snapshot
+from tasks.trainer import Trainer, build_batch
+
+LEDGER_KEY = "lag/ledger.json"
+
+
+@dataclass
+class Ledger:
+    """Every shard the learner has disposed of, and the counts of the accounting identity."""
+
+    disposed: dict[str, str] = field(default_factory=dict)
+    """Shard key -> "trained", "stale" or "quarantined"."""
+    trained_groups: list[str] = field(default_factory=list)
+    counts: dict[str, int] = field(
+        default_factory=lambda: {"trained": 0, "dropped_stale": 0, "quarantined": 0, "duplicate": 0}
+    )
+    """Samples by fate (quarantined counts shards: a corrupt shard's rows cannot be counted)."""
+    lost_groups: int = 0
+    """Groups that will never be trained (stale or quarantined): generators may replace them."""
+    lags: list[int] = field(default_factory=list)
+    """Lag of every trained group, in training order."""
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> Ledger:
+        return cls(**data)
+
+
+class Learner:
+    """Trains on shards as generators commit them, within the lag bound."""
+
+    def __init__(self, config: RunConfig, store: RunStore, model: PreTrainedModel,
+                 tokenizer: PreTrainedTokenizerBase, cache_dir: Path, metrics: MetricsLog):  # fmt: skip
+        self.config = config
+        self.store = store
+        self.tokenizer = tokenizer
+        self.cache_dir = cache_dir
+        self.metrics = metrics
+        self.trainer = Trainer(model, config.training)
+        self.ledger = Ledger()
+        self.window_floor = 0
+        self.idle_seconds = 0.0
+        self.busy_seconds = 0.0
+
+    @property
+    def version(self) -> int:
+        return self.trainer.version
+
+    def resume(self) -> int | None:
+        """Restore the newest checkpoint (weights, optimizer, RNGs, ledger); its step, or None."""
+        step = latest_checkpoint_step(self.store)
+        if step is None:
+            return None
+        self.trainer = Trainer(self.trainer.model, self.config.training, version=step)
+        state = load_checkpoint(self.store, self.trainer.model, self.trainer.optimizer, self.cache_dir / "checkpoints", step)
+        self.ledger = Ledger.from_json(state.extra["ledger"])
+        self.window_floor = max(0, step - self.config.lag.max_lag)
+        self.metrics.log("resumed", version=step, disposed=len(self.ledger.disposed))
+        return step
+
+    def admit_batch(self, should_stop: Callable[[], bool] = lambda: False, poll_seconds: float = 0.2) -> dict[str, pa.Table] | None:
+        """The next batch's shards (key -> table), waiting until enough are there; None if told to stop."""
+        groups = self.config.training.prompts_per_step
+        chosen: dict[str, pa.Table] = {}
+        started = time.monotonic()
+        while len(chosen) < groups:
+            if should_stop():
+                return None
+            batch, stale = select_batch(self._candidates(exclude=chosen), self.version, self.config.lag.max_lag, groups - len(chosen))
+            self._drop_stale([c.key for c in stale])
+            if not batch:
+                time.sleep(poll_seconds)
+                continue
+            valid = read_valid_shards(self.store, [c.key for c in batch], current_version=self.version,
+                                      vocab_size=self.trainer.model.config.vocab_size)  # fmt: skip
+            for key, reason in valid.quarantined.items():
+                self._dispose(key, "quarantined", samples=1)
+            for key, table in valid.tables.items():
+                if table["group_id"][0].as_py() in self.ledger.trained_groups:
+                    self._dispose(key, "duplicate", samples=table.num_rows)
+                else:
+                    chosen[key] = table
+        self.idle_seconds += time.monotonic() - started
+        return chosen
+
+    def train_step(self, shards: dict[str, pa.Table]) -> dict:
+        """One RL step on `shards`; then publish, share the trainer state, checkpoint."""
+        started = time.monotonic()
+        table = pa.concat_tables(shards.values())
+        rollouts = table_to_rollouts(table)
+        rewards = torch.tensor([r.reward for r in rollouts], dtype=torch.float32)
+        advantages = group_advantages(rewards, [r.group_id for r in rollouts])
+        trained_at = self.version
+        step_metrics = self.trainer.rl_step(build_batch(rollouts, advantages))
+        for key, shard in shards.items():
+            self._dispose(key, "trained", samples=shard.num_rows)
+            self.ledger.trained_groups.append(shard["group_id"][0].as_py())
+            self.ledger.lags.append(lag_of(trained_at, parse_shard_key(key).version))
+        self._publish()
+        self.busy_seconds += time.monotonic() - started
+        record = step_metrics | {
+            "version": self.version, "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std(unbiased=False)),
+            "samples": len(rollouts), "busy_seconds": self.busy_seconds, "idle_seconds": self.idle_seconds,
+            "step_seconds": time.monotonic() - started, **self.ledger.counts,
+        }  # fmt: skip
+        return self.metrics.log("train_step", **record)
+
+    def finish(self) -> None:
+        """Final checkpoint, the ledger for the run's accounting, and the trainer state marked
+        done (generators stop on it)."""
+        self._checkpoint()
+        self.store.write_atomic(LEDGER_KEY, json.dumps(self.ledger.to_json()).encode())
+        publish_trainer_state(self.store, TrainerState(self.version, self.ledger.lost_groups, done=True))
+        self.metrics.flush()
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _candidates(self, exclude: dict[str, pa.Table]) -> list[Candidate]:
+        """Committed, undisposed shards from the oldest version directory still worth a look."""
+        keys = list_shards(self.store, min_version=self.window_floor, max_version=self.version)
+        self.window_floor = max(self.window_floor, self.version - self.config.lag.max_lag)
+        return [
+            Candidate(key, parse_shard_key(key).version, samples=0)
+            for key in keys
+            if key not in self.ledger.disposed and key not in exclude
+        ]
+
+    def _drop_stale(self, keys: list[str]) -> None:
+        valid = read_valid_shards(self.store, keys, current_version=self.version)
+        for key in valid.quarantined:
+            self._dispose(key, "quarantined", samples=1)
+        for key, table in valid.tables.items():
+            self._dispose(key, "stale", samples=table.num_rows)
+
+    def _dispose(self, key: str, fate: str, samples: int) -> None:
+        self.ledger.disposed[key] = fate
+        counter = {"trained": "trained", "stale": "dropped_stale", "quarantined": "quarantined", "duplicate": "duplicate"}[fate]
+        self.ledger.counts[counter] += samples
+        if fate in ("stale", "quarantined"):
+            self.ledger.lost_groups += 1
+            self.metrics.log("dropped", key=key, fate=fate, version=self.version)
+
+    def _publish(self) -> None:
+        training = self.config.training
+        if self.version % training.publish_every == 0:
+            publish_snapshot(self.store, self.trainer.model, self.tokenizer, self.version)
+            apply_retention(self.store, self.config.storage.keep_last_snapshots, self.config.storage.keep_every_snapshot)
+        publish_trainer_state(self.store, TrainerState(self.version, self.ledger.lost_groups))
+        if self.version % training.checkpoint_every == 0:
+            self._checkpoint()
+
+    def _checkpoint(self) -> None:
+        save_checkpoint(self.store, self.version, self.trainer.model, self.trainer.optimizer,
+                        ledger=sorted(self.ledger.disposed), extra={"ledger": self.ledger.to_json()})  # fmt: skip

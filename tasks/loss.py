@@ -1,0 +1,148 @@
+"""The RL loss: group-normalised advantages and a token-level PPO-clip loss against the engine's
+behaviour logprobs. Plain torch functions, no model and no Prefect: the trainer step calls them.
+
+- `group_advantages` (GRPO): each sample's reward minus the mean of its group (the samples of one
+  prompt), divided by the group's std. The group is its own baseline, so no value model is
+  needed, and the division puts easy and hard prompts on one scale. The std is the POPULATION std
+  (divide by n, not n-1): it is defined for any group size, a group of one included, and the
+  advantages of a group then have unit variance exactly. (TRL's GRPO uses the sample std; the two
+  differ by a constant factor sqrt((n-1)/n), 0.935 for n=8, which the learning rate absorbs.)
+  A group whose rewards are all equal carries no signal and gets advantage 0 exactly, not the
+  float noise of (r - mean) / (0 + eps). A group is normalised over the samples of it that are in
+  the batch: if some were dropped as too stale, over the rest.
+- `policy_loss`: with importance correction, the PPO-clip surrogate of the ratio
+  r = pi(token) / behaviour(token), where behaviour is the engine's logprob of the weights that
+  generated the sample (up to max_lag versions old). min(r*A, clip(r, 1-eps, 1+eps)*A) stops the
+  gradient once the policy has moved eps past the behaviour policy in the direction A asks for.
+  For A < 0 that min is unbounded as r grows: a very stale token that the current policy now
+  likes a lot would contribute r*A, its gradient growing with r. The truncated importance weight
+  (cap configurable, on by default: TrainingConfig.is_cap) is the dual clip of Ye et al. 2020:
+  max(surrogate, is_cap*A) for A < 0, so no single sample can dominate the gradient. Without
+  importance correction the loss is the plain on-policy policy gradient -A * logprob.
+- Token-level mean: the surrogate is averaged over every model token in the batch, not per
+  sequence first. A per-sequence mean gives each token of a long episode less weight than a token
+  of a short one (DAPO); the token mean weighs every model decision equally. Environment tokens
+  (mask 0) and padding never count.
+- Optional terms: a KL penalty against a reference policy (Schulman's k3 estimator
+  exp(ref - logp) - (ref - logp) - 1, >= 0 on every token) and an entropy bonus.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+LOG_RATIO_LIMIT = 20.0
+"""log(ratio) is clamped to [-20, 20] before exp: a token the engine gave logprob -80 (or a
+float mishap) must not make the ratio inf. Beyond the clamp the gradient is 0, which the clip
+would give such a token anyway."""
+
+
+def group_advantages(rewards: Tensor, group_ids: Sequence[str], eps: float = 1e-6) -> Tensor:
+    """GRPO advantages [B]: (r - group mean) / (group population std + eps); equal rewards -> 0."""
+    if rewards.dim() != 1 or len(group_ids) != rewards.shape[0]:
+        raise ValueError(f"rewards {tuple(rewards.shape)} and {len(group_ids)} group ids differ")
+    rewards = rewards.to(torch.float64)
+    advantages = torch.zeros_like(rewards)
+    members: dict[str, list[int]] = defaultdict(list)
+    for index, group in enumerate(group_ids):
+        members[group].append(index)
+    for index in members.values():
+        group = rewards[index]
+        if group.max() > group.min():
+            advantages[index] = (group - group.mean()) / (group.std(correction=0) + eps)
+    return advantages.to(torch.float32)
+
+
+def token_logprobs(logits: Tensor, targets: Tensor) -> Tensor:
+    """log p(target) [B, L] from logits [B, L, V], in float32 whatever the model's dtype."""
+    logprobs = logits.float().log_softmax(dim=-1)
+    return logprobs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+def token_entropy(logits: Tensor) -> Tensor:
+    """Entropy [B, L] of the next-token distribution at each position, in float32."""
+    logprobs = logits.float().log_softmax(dim=-1)
+    return -(logprobs.exp() * logprobs).sum(dim=-1)
+
+
+def policy_loss(
+    logprobs: Tensor,
+    behavior_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    clip_eps: float,
+    is_cap: float | None,
+    importance_correction: bool = True,
+    ref_logprobs: Tensor | None = None,
+    kl_coef: float = 0.0,
+    entropy: Tensor | None = None,
+    entropy_coef: float = 0.0,
+) -> tuple[Tensor, dict[str, float]]:
+    """The loss to minimise and its metrics, over the model tokens (mask 1) of a batch.
+
+    logprobs, behavior_logprobs, mask (and ref_logprobs, entropy) are [B, T]; advantages is [B]
+    (one per sequence, shared by its tokens) or [B, T]. The loss is
+    pg_loss + kl_coef * kl - entropy_coef * entropy, each a mean over all model tokens; the KL term
+    needs ref_logprobs and the entropy term the per-token `entropy`. Metrics: pg_loss, kl and
+    entropy (0.0 when their input is not given), ratio_mean, ratio_max, clip_fraction and
+    capped_fraction (fractions of model tokens where the clip or the cap set the surrogate; 0.0
+    without importance correction), tokens and loss. A batch without model tokens has loss 0.
+    """
+    if is_cap is not None and is_cap <= 1.0:
+        raise ValueError(f"is_cap must be > 1 (a cap <= 1 stops on-policy tokens), got {is_cap}")
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(-1)
+    advantages = advantages.expand_as(logprobs)
+    model = mask.bool()
+    tokens = model.sum()
+    count = tokens.clamp(min=1)
+
+    def mean(values: Tensor) -> Tensor:
+        return torch.where(model, values, 0.0).sum() / count
+
+    log_ratio = (logprobs - behavior_logprobs).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+    ratio = log_ratio.exp()
+    clipped = torch.zeros_like(model)
+    capped = torch.zeros_like(model)
+    if importance_correction:
+        unclipped = ratio * advantages
+        clipped_branch = ratio.clamp(1 - clip_eps, 1 + clip_eps) * advantages
+        surrogate = torch.minimum(unclipped, clipped_branch)
+        clipped = model & (clipped_branch < unclipped)
+        if is_cap is not None:
+            cap = is_cap * advantages
+            capped = model & (advantages < 0) & (surrogate < cap)
+            surrogate = torch.where(advantages < 0, torch.maximum(surrogate, cap), surrogate)
+    else:
+        surrogate = advantages * logprobs
+    pg_loss = -mean(surrogate)
+    loss = pg_loss
+    kl = torch.zeros(())
+    if ref_logprobs is not None:
+        delta = ref_logprobs - logprobs
+        kl = mean(delta.exp() - delta - 1)
+        if kl_coef > 0:
+            loss = loss + kl_coef * kl
+    mean_entropy = torch.zeros(())
+    if entropy is not None:
+        mean_entropy = mean(entropy)
+        if entropy_coef > 0:
+            loss = loss - entropy_coef * mean_entropy
+    ratio = ratio.detach()
+    metrics = {
+        "loss": loss.item(),
+        "pg_loss": pg_loss.item(),
+        "kl": kl.item(),
+        "entropy": mean_entropy.item(),
+        "ratio_mean": mean(ratio).item(),
+        "ratio_max": torch.where(model, ratio, 0.0).max().item(),
+        "clip_fraction": (clipped.sum() / count).item(),
+        "capped_fraction": (capped.sum() / count).item(),
+        "tokens": float(tokens.item()),
+    }
+    return loss, metrics

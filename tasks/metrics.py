@@ -1,0 +1,70 @@
+"""Metrics: one JSON object a line in {run}/metrics/{component}.jsonl.
+
+Each component (trainer, each generator, evaluation) owns its own file, so no two writers ever
+touch one object. Object storage cannot append, so `MetricsLog` keeps the component's lines and
+rewrites the object atomically, at most every `flush_seconds` and on close: a reader always sees
+whole lines, and a crash loses at most the last few seconds of metrics, never a run's data.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from typing import Any
+
+from infra.storage import RunStore
+
+METRICS = "metrics"
+
+
+class MetricsLog:
+    """Append-only metrics of one component, flushed to the run directory."""
+
+    def __init__(self, store: RunStore, component: str, flush_seconds: float = 2.0):
+        self.store = store
+        self.key = f"{METRICS}/{component}.jsonl"
+        self.flush_seconds = flush_seconds
+        self.lines = self._existing_lines()
+        self._flushed_at = 0.0
+        self._dirty = False
+
+    def log(self, event: str, **fields: Any) -> dict:
+        """Record one event (wall time added); returns the record."""
+        record = {"event": event, "time": time.time(), **{k: _plain(v) for k, v in fields.items()}}
+        self.lines.append(json.dumps(record, allow_nan=False))
+        self._dirty = True
+        if time.monotonic() - self._flushed_at >= self.flush_seconds:
+            self.flush()
+        return record
+
+    def flush(self) -> None:
+        if self._dirty:
+            self.store.write_atomic(self.key, ("\n".join(self.lines) + "\n").encode())
+            self._dirty = False
+        self._flushed_at = time.monotonic()
+
+    def _existing_lines(self) -> list[str]:
+        """A restarted component continues its file instead of overwriting its history."""
+        try:
+            return self.store.read_bytes(self.key).decode().splitlines()
+        except FileNotFoundError:
+            return []
+
+
+def read_metrics(store: RunStore, component: str) -> list[dict]:
+    """Every record of one component's metrics file ([] if it has none yet)."""
+    try:
+        data = store.read_bytes(f"{METRICS}/{component}.jsonl")
+    except FileNotFoundError:
+        return []
+    return [json.loads(line) for line in data.decode().splitlines() if line.strip()]
+
+
+def _plain(value: Any) -> Any:
+    """JSON-safe: NaN and infinities become None, numpy/torch scalars become Python numbers."""
+    if hasattr(value, "item") and callable(value.item):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value

@@ -1,0 +1,103 @@
+"""The end of a run: the accounting identity, the summary, and the plots, from the run directory.
+
+Everything here is read back from storage, not taken from the processes' memory, so the same
+report can be made for any run, finished or killed, local or deployed:
+
+    generated = trained + dropped_stale + quarantined + duplicate + pending      (in samples)
+
+`generated` comes from the generators' own records of the shards they committed, the trained,
+stale and duplicate counts from the learner's ledger (rows it actually read), and `pending` from
+listing the committed shards the ledger never disposed of. A shard lost between a generator and
+the trainer would break the equality, which is why it is checked rather than derived.
+"""
+
+from __future__ import annotations
+
+import json
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from infra.storage import RunStore  # noqa: E402
+from tasks.learner import LEDGER_KEY, Ledger  # noqa: E402
+from tasks.metrics import read_metrics  # noqa: E402
+from tasks.shards import list_shards  # noqa: E402
+
+SUMMARY_KEY = "summary.json"
+
+
+def generator_records(store: RunStore) -> dict[str, dict]:
+    """Shard key -> the generator's record of it, over every generator of the run."""
+    records = {}
+    for key in store.list("metrics"):
+        name = key.rsplit("/", 1)[-1].removesuffix(".jsonl")
+        if name.startswith("generator-"):
+            records |= {r["key"]: r for r in read_metrics(store, name) if r["event"] == "group"}
+    return records
+
+
+def accounting(store: RunStore) -> dict:
+    """The accounting identity of the run, checked; counts are samples."""
+    generated = generator_records(store)
+    try:
+        ledger = Ledger.from_json(json.loads(store.read_bytes(LEDGER_KEY)))
+    except FileNotFoundError:
+        ledger = Ledger()
+    pending_keys = [k for k in list_shards(store) if k not in ledger.disposed]
+    quarantined = sum(generated.get(k, {}).get("samples", 0) for k, fate in ledger.disposed.items() if fate == "quarantined")
+    counts = {
+        "generated": sum(r["samples"] for r in generated.values()),
+        "trained": ledger.counts["trained"],
+        "dropped_stale": ledger.counts["dropped_stale"],
+        "quarantined": quarantined,
+        "duplicate": ledger.counts["duplicate"],
+        "pending": sum(generated.get(k, {}).get("samples", 0) for k in pending_keys),
+    }
+    accounted = sum(v for k, v in counts.items() if k != "generated")
+    return counts | {"identity_holds": accounted == counts["generated"], "max_trained_lag": max(ledger.lags, default=0)}
+
+
+def write_summary(store: RunStore, eval_before: dict, eval_after: dict) -> dict:
+    """summary.json and the plots; returns the summary."""
+    steps = [r for r in read_metrics(store, "trainer") if r["event"] == "train_step"]
+    head, tail = steps[: max(1, len(steps) // 10)], steps[-max(1, len(steps) // 10):]
+    last = steps[-1] if steps else {}
+    busy, idle = last.get("busy_seconds", 0.0), last.get("idle_seconds", 0.0)
+    summary = {
+        "steps": len(steps),
+        "reward_start": _mean(r["reward_mean"] for r in head),
+        "reward_end": _mean(r["reward_mean"] for r in tail),
+        "eval_before": eval_before["score"],
+        "eval_after": eval_after["score"],
+        "solved_before": eval_before["solved"],
+        "solved_after": eval_after["solved"],
+        "trainer_idle_fraction": idle / (busy + idle) if busy + idle else 0.0,
+        **accounting(store),
+    }
+    store.write_atomic(SUMMARY_KEY, json.dumps(summary, indent=2).encode())
+    plot_reward(store, steps)
+    return summary
+
+
+def plot_reward(store: RunStore, steps: list[dict]) -> None:
+    figure, axis = plt.subplots(figsize=(7, 4))
+    axis.plot([r["version"] for r in steps], [r["reward_mean"] for r in steps], marker=".")
+    axis.set(xlabel="policy version (trainer step)", ylabel="mean reward of the trained batch", title="reward")
+    axis.grid(alpha=0.3)
+    _save(store, figure, "plots/reward.png")
+
+
+def _save(store: RunStore, figure, key: str) -> None:
+    import io
+
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=110, bbox_inches="tight")
+    plt.close(figure)
+    store.write_atomic(key, buffer.getvalue())
+
+
+def _mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values) if values else 0.0

@@ -1,0 +1,126 @@
+"""Rollouts: the agent loop, token in and token out.
+
+An episode alternates model turns and environment steps:
+
+    prompt ids -> engine /generate -> model tokens -> decode -> env.step(action)
+               -> observation text -> env tokens -> appended -> next /generate ...
+
+until the environment says done, max_turns is reached, or the context is full. Model tokens are
+kept exactly as the engine returned them (never decoded and re-encoded), with the engine's
+behaviour logprobs and loss_mask 1; environment tokens are encoded once, with loss_mask 0 and
+logprob 0. So what the trainer scores is byte-for-byte what the engine sampled.
+
+A group is `n` episodes of one prompt, run concurrently: their rewards are normalised together
+for the advantage. Each episode records the lowest weight version that produced any of its
+tokens (the version its generator had loaded when it started, and every version an engine
+reported since), which is what the lag bound must be checked against when weights change
+under a running episode.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+from transformers import PreTrainedTokenizerBase
+
+from infra.engines.api import SamplingParams
+from infra.engines.client import EngineClient
+from tasks.envs import Environment, Prompt
+from tasks.shards import Rollout
+
+EOT_TOKEN = "<eot>"
+
+
+def turn_stop_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """Tokens that end a model turn: EOS (final answer) and the end-of-turn token (tool call).
+
+    Passed as stop_token_ids so that every engine ends turns the same way, whatever its own
+    reading of the model's generation config."""
+    ids = {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids(EOT_TOKEN)}
+    return sorted(i for i in ids if i is not None and i != tokenizer.unk_token_id)
+
+
+def prompt_token_ids(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+    """<bos> + the prompt's tokens (the tokenizer adds no special tokens by itself)."""
+    return [tokenizer.bos_token_id, *tokenizer.encode(text, add_special_tokens=False)]
+
+
+async def run_episode(
+    client: EngineClient,
+    env: Environment,
+    prompt: Prompt,
+    tokenizer: PreTrainedTokenizerBase,
+    sampling: SamplingParams,
+    *,
+    max_turns: int,
+    context_length: int,
+    loaded_version: int,
+    group_id: str,
+    producer: str,
+) -> Rollout:
+    """Play one episode against the engines behind `client`; returns its trajectory."""
+    started = time.time()
+    prompt_ids = prompt_token_ids(tokenizer, env.reset(prompt))
+    completion: list[int] = []
+    mask: list[int] = []
+    logprobs: list[float] = []
+    reward, turns, finish, version, generate_seconds = 0.0, 0, "length", loaded_version, 0.0
+    stop_ids = turn_stop_ids(tokenizer)
+    while turns < max_turns:
+        room = context_length - len(prompt_ids) - len(completion)
+        if room <= 0:
+            finish = "length"
+            break
+        params = sampling.model_copy(update={"n": 1, "max_new_tokens": min(sampling.max_new_tokens, room), "stop_token_ids": stop_ids})
+        call_started = time.monotonic()
+        (result,) = await client.generate(prompt_ids + completion, params, return_logprob=True)
+        generate_seconds += time.monotonic() - call_started
+        meta = result["meta_info"]
+        version = min(version, _version_number(meta.get("weight_version"), version))
+        tokens = result["output_ids"]
+        completion += tokens
+        mask += [1] * len(tokens)
+        logprobs += [float(entry[0]) for entry in meta["output_token_logprobs"]]
+        turns += 1
+        finish = meta["finish_reason"]["type"]
+        if finish == "abort":
+            break
+        step = env.step(tokenizer.decode(tokens, skip_special_tokens=True))
+        reward = step.reward
+        if step.done:
+            break
+        observation = tokenizer.encode(step.observation, add_special_tokens=False)
+        observation = observation[: max(0, context_length - len(prompt_ids) - len(completion))]
+        completion += observation
+        mask += [0] * len(observation)
+        logprobs += [0.0] * len(observation)
+    return Rollout(
+        prompt_ids=prompt_ids, completion_ids=completion, loss_mask=mask, behavior_logprobs=logprobs,
+        reward=float(reward), group_id=group_id, policy_version=version, env=type(env).__name__,
+        turns=turns, finish_reason=finish, producer=producer, started_at=started,
+        finished_at=time.time(), generate_seconds=generate_seconds,
+    )  # fmt: skip
+
+
+async def run_group(
+    client: EngineClient,
+    make_env: Callable[[], Environment],
+    prompt: Prompt,
+    samples: int,
+    tokenizer: PreTrainedTokenizerBase,
+    sampling: SamplingParams,
+    **episode_kwargs,
+) -> list[Rollout]:
+    """`samples` concurrent episodes of one prompt, each with a fresh environment."""
+    episodes = [run_episode(client, make_env(), prompt, tokenizer, sampling, **episode_kwargs) for _ in range(samples)]
+    return list(await asyncio.gather(*episodes))
+
+
+def _version_number(reported: str | None, fallback: int) -> int:
+    """An engine's weight_version as an int; SGLang's default name "default" means unknown."""
+    try:
+        return int(reported) if reported is not None else fallback
+    except ValueError:
+        return fallback

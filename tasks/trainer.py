@@ -1,0 +1,223 @@
+"""The trainer step: rollout rows -> one padded batch -> one optimizer step of the RL loss, plus
+the supervised warm-start that precedes RL. Plain torch, no Prefect, no DDP.
+
+- `build_batch`: each row's prompt_ids + completion_ids, right-padded with the pad id 0. A causal
+  LM's logit at position t predicts token t+1, so completion token i (at position P+i, P the
+  prompt length) is scored by the logit at P+i-1: its loss_mask and behaviour logprob go there,
+  in `targets`' frame. Prompt tokens are never in the loss, the last real position predicts
+  nothing, and padding predicts nothing either.
+- `Trainer.rl_step`: forward with the attention mask, `policy_loss` of tasks/loss.py with the
+  TrainingConfig's clip_eps, is_cap, importance_correction, kl_coef and entropy_coef, backward,
+  gradient-norm clipping, one AdamW step. The reported grad_norm is the norm BEFORE clipping (what
+  the loss asked for); a non-finite one raises and leaves the weights untouched, since a NaN step
+  would be published to every generator.
+- Version: `Trainer.version` is the policy version V of DESIGN.md, the number of RL optimizer
+  steps applied. The warm-start does not count: it runs before v0 is published, so v0 IS the
+  warm-started model and every rl_step makes V+1. A sample of version v trained in the step
+  that makes V+1 has lag V - v (reported as lag_mean / lag_max).
+- Optimizers: the warm-start has its own AdamW at warmup_lr; the RL AdamW at lr is created fresh
+  and is untouched by the warm-start, so RL starts with empty Adam moments: the supervised
+  phase's moments describe another loss at a 10x learning rate. The warm-start optimizer is freed
+  at the first rl_step, and `supervised_step` is refused from then on: it would change the
+  weights of a published version without a new version number.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+
+import pyarrow as pa
+import torch
+from torch import Tensor
+from transformers import PreTrainedModel
+
+from configs.schema import TrainingConfig
+from infra.modelfactory import PAD, TASK_VOCABULARY
+from tasks.loss import policy_loss, token_entropy, token_logprobs
+from tasks.shards import Rollout, table_to_rollouts
+
+PAD_ID = TASK_VOCABULARY.index(PAD)
+
+
+@dataclass
+class TrainBatch:
+    """One RL batch of B trajectories padded to length L."""
+
+    input_ids: Tensor
+    """[B, L] int64: prompt + completion, right-padded with PAD_ID."""
+    attention_mask: Tensor
+    """[B, L] int64: 1 on real tokens, 0 on padding."""
+    targets: Tensor
+    """[B, L] int64: targets[:, t] = input_ids[:, t + 1] (PAD_ID where t + 1 is past the end)."""
+    loss_mask: Tensor
+    """[B, L] float32: 1 where targets[:, t] is a model token of the completion, else 0."""
+    behavior_logprobs: Tensor
+    """[B, L] float32: the engine's logprob of targets[:, t] where loss_mask is 1, else 0."""
+    advantages: Tensor
+    """[B] float32: one advantage per trajectory, shared by its tokens."""
+    policy_versions: Tensor
+    """[B] int64: the policy version that generated each trajectory."""
+
+    def to(self, device: torch.device) -> TrainBatch:
+        return TrainBatch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+
+
+def build_batch(
+    rows: Sequence[Rollout] | pa.Table, advantages: Tensor | Sequence[float]
+) -> TrainBatch:
+    """The TrainBatch of rollout rows (or a ROLLOUT_SCHEMA table) with one advantage per row."""
+    if isinstance(rows, pa.Table):
+        rows = table_to_rollouts(rows)
+    advantages = torch.as_tensor(advantages, dtype=torch.float32)
+    if not rows or advantages.shape != (len(rows),):
+        raise ValueError(f"{len(rows)} rows need as many advantages, got {tuple(advantages.shape)}")
+    size, length = len(rows), max(len(r.prompt_ids) + len(r.completion_ids) for r in rows)
+    batch = TrainBatch(
+        input_ids=torch.full((size, length), PAD_ID, dtype=torch.int64),
+        attention_mask=torch.zeros(size, length, dtype=torch.int64),
+        targets=torch.full((size, length), PAD_ID, dtype=torch.int64),
+        loss_mask=torch.zeros(size, length),
+        behavior_logprobs=torch.zeros(size, length),
+        advantages=advantages,
+        policy_versions=torch.tensor([r.policy_version for r in rows], dtype=torch.int64),
+    )
+    for b, row in enumerate(rows):
+        prompt, completion = len(row.prompt_ids), len(row.completion_ids)
+        if prompt == 0:
+            raise ValueError(f"row {b} has an empty prompt: its first token would have no logit")
+        if not len(row.loss_mask) == len(row.behavior_logprobs) == completion:
+            raise ValueError(f"row {b}: loss_mask, behavior_logprobs, completion lengths differ")
+        ids = torch.tensor(row.prompt_ids + row.completion_ids, dtype=torch.int64)
+        end = prompt + completion
+        batch.input_ids[b, :end] = ids
+        batch.attention_mask[b, :end] = 1
+        batch.targets[b, : end - 1] = ids[1:]
+        # completion token i sits at position prompt + i and is scored by the logit before it
+        batch.loss_mask[b, prompt - 1 : end - 1] = torch.tensor(row.loss_mask, dtype=torch.float32)
+        batch.behavior_logprobs[b, prompt - 1 : end - 1] = torch.tensor(row.behavior_logprobs)
+    return batch
+
+
+def build_supervised_batch(
+    examples: Sequence[tuple[Sequence[int], Sequence[int]]],
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(input_ids, attention_mask, loss_mask) [B, L] of warm-start examples (token_ids, flags).
+
+    flags[t] is 1 where token t is a model token (trained on) and 0 for prompt and environment
+    tokens; loss_mask keeps that per-token frame, unlike TrainBatch's targets frame. The first
+    token has no logit before it, so it must not be a model token.
+    """
+    if not examples:
+        raise ValueError("no warm-start examples")
+    length = max(len(ids) for ids, _ in examples)
+    input_ids = torch.full((len(examples), length), PAD_ID, dtype=torch.int64)
+    attention_mask = torch.zeros(len(examples), length, dtype=torch.int64)
+    loss_mask = torch.zeros(len(examples), length)
+    for b, (ids, flags) in enumerate(examples):
+        if len(ids) != len(flags) or not ids or flags[0]:
+            raise ValueError(f"example {b}: need equal, non-empty ids and flags, flags[0] == 0")
+        input_ids[b, : len(ids)] = torch.tensor(list(ids), dtype=torch.int64)
+        attention_mask[b, : len(ids)] = 1
+        loss_mask[b, : len(ids)] = torch.tensor(list(flags), dtype=torch.float32)
+    return input_ids, attention_mask, loss_mask
+
+
+class Trainer:
+    """The policy model, its optimizers and its version; `version` > 0 resumes a run at that V."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        cfg: TrainingConfig,
+        ref_model: PreTrainedModel | None = None,
+        *,
+        version: int = 0,
+    ):
+        if cfg.kl_coef > 0 and ref_model is None:
+            raise ValueError("kl_coef > 0 needs a ref_model to measure the KL against")
+        self.model, self.cfg, self.ref_model = model, cfg, ref_model
+        if ref_model is not None:
+            ref_model.eval().requires_grad_(False)
+        self.optimizer = torch.optim.AdamW(
+            model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay
+        )
+        self.warmup_optimizer: torch.optim.AdamW | None = None
+        if version == 0:
+            self.warmup_optimizer = torch.optim.AdamW(
+                model.parameters(), lr=cfg.warmup_lr, weight_decay=cfg.weight_decay
+            )
+        self._version = version
+
+    @property
+    def version(self) -> int:
+        """Policy version V of the model's weights: RL optimizer steps applied."""
+        return self._version
+
+    def supervised_step(
+        self, input_ids: Tensor, attention_mask: Tensor, loss_mask: Tensor
+    ) -> dict[str, float]:
+        """One warm-start step: cross-entropy of the model tokens (loss_mask per token) only."""
+        if self.warmup_optimizer is None:
+            raise RuntimeError("the warm-start must come before v0 is trained on (version 0 only)")
+        device = self.model.device
+        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+        self.model.train()
+        inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "use_cache": False}
+        logits = self.model(**inputs).logits
+        logprobs = token_logprobs(logits[:, :-1], input_ids[:, 1:])
+        model_tokens = loss_mask[:, 1:].to(device).bool()
+        tokens = model_tokens.sum()
+        loss = -torch.where(model_tokens, logprobs, 0.0).sum() / tokens.clamp(min=1)
+        step = self._apply(loss, self.warmup_optimizer)
+        return {"loss": loss.item(), "tokens": float(tokens.item())} | step
+
+    def rl_step(self, batch: TrainBatch) -> dict[str, float]:
+        """One RL optimizer step on `batch`; the model becomes version V + 1."""
+        lags = self._version - batch.policy_versions
+        if (lags < 0).any():
+            raise ValueError(f"batch has samples newer than the trainer's version {self._version}")
+        self.warmup_optimizer = None
+        batch = batch.to(self.model.device)
+        self.model.train()
+        inputs = {
+            "input_ids": batch.input_ids, "attention_mask": batch.attention_mask, "use_cache": False
+        }
+        logits = self.model(**inputs).logits
+        logprobs = token_logprobs(logits, batch.targets)
+        with torch.set_grad_enabled(self.cfg.entropy_coef > 0):
+            entropy = token_entropy(logits)
+        ref_logprobs = None
+        if self.ref_model is not None:
+            with torch.no_grad():
+                ref_logprobs = token_logprobs(self.ref_model(**inputs).logits, batch.targets)
+        loss, metrics = policy_loss(
+            logprobs,
+            batch.behavior_logprobs,
+            batch.advantages,
+            batch.loss_mask,
+            clip_eps=self.cfg.clip_eps,
+            is_cap=self.cfg.is_cap,
+            importance_correction=self.cfg.importance_correction,
+            ref_logprobs=ref_logprobs,
+            kl_coef=self.cfg.kl_coef,
+            entropy=entropy,
+            entropy_coef=self.cfg.entropy_coef,
+        )
+        metrics |= self._apply(loss, self.optimizer)
+        self._version += 1
+        lags = lags.float()
+        metrics |= {"lag_mean": lags.mean().item(), "lag_max": lags.max().item()}
+        return metrics | {"version": self._version}
+
+    def _apply(self, loss: Tensor, optimizer: torch.optim.Optimizer) -> dict[str, float]:
+        """Backward, clip, step; grad_norm is the norm before clipping."""
+        try:
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(
+                self.model.parameters(), self.cfg.grad_clip, error_if_nonfinite=True
+            )
+            optimizer.step()
+        finally:
+            optimizer.zero_grad(set_to_none=True)
+        return {"grad_norm": grad_norm.item(), "lr": optimizer.param_groups[0]["lr"]}
