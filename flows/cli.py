@@ -49,7 +49,7 @@ Overrides = Annotated[
 
 def fail(message: str, code: int = 2) -> NoReturn:
     """Print an error for a person and exit with `code` (2: bad input, 1: runtime failure)."""
-    err_console.print(f"[bold red]error:[/] {message}", highlight=False, markup=True)
+    err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
 
 
@@ -79,6 +79,48 @@ def init(
         fail(str(err))
     console.print(f"run directory: [bold]{store.url}[/]")
     console.print(f"snapshots: {snapshot_versions(store)}; files: {len(store.list_recursive(''))}")
+
+
+@app.command("run")
+def run(
+    config: ConfigFile,
+    overrides: Overrides = None,
+    run_id: Annotated[str | None, typer.Option("--run-id", help="Run id (overrides run_id in the file).")] = None,
+) -> None:
+    """Train end to end: warm-start, generation and training side by side, evaluation, summary."""
+    resolved = resolve_config(config, [*(overrides or []), *([f"run_id={run_id}"] if run_id else [])])
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    from flows.pipeline import pipeline
+    from tasks.rundir import RunConflict
+
+    try:
+        summary = pipeline(resolved)
+    except RunConflict as err:
+        fail(str(err))
+    console.print(f"eval score {summary['eval_before']:.3f} -> {summary['eval_after']:.3f}; "
+                  f"reward {summary['reward_start']:.3f} -> {summary['reward_end']:.3f}")  # fmt: skip
+
+
+@app.command("eval")
+def evaluate_run(
+    run: Annotated[str, typer.Argument(help="Run directory URL, e.g. file://./runs/tiny or s3://bucket/runs/tiny.")],
+    version: Annotated[int | None, typer.Option(help="Snapshot version to score (default: LATEST).", min=0)] = None,
+    overrides: Overrides = None,
+) -> None:
+    """Score one snapshot of a run on its held-out prompts (greedy), and record it in metrics."""
+    from tasks.rundir import load_run_config
+
+    if run.startswith("file://") and not run.startswith("file:///"):
+        run = "file://" + os.path.abspath(run.removeprefix("file://"))
+    try:
+        resolved = load_run_config(run, overrides or ())
+    except ConfigError as err:
+        fail(str(err))
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    from flows.evaluation import evaluation
+
+    result = evaluation(resolved, version)
+    console.print(f"v{result['version']}: score {result['score']:.3f} (solved {result['solved']:.1%})")
 
 
 @config_app.command("show")
@@ -139,6 +181,7 @@ def engine_serve(
     ] = None,
     max_batch_size: Annotated[int, typer.Option(help="Most sequences decoded together.", min=1, max=1024)] = 32,
     weight_version: Annotated[str, typer.Option(help="Weight version reported until the first update.")] = "0",
+    exit_with_parent: Annotated[bool, typer.Option(help="Stop when the process that started the engine dies.")] = False,
 ) -> None:
     """Serve a model with tandem's CPU engine behind SGLang's native HTTP API."""
     import logging
@@ -146,7 +189,8 @@ def engine_serve(
     from infra.engines.server import serve
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    serve(str(model), host=host, port=port, api_key=api_key, max_batch_size=max_batch_size, weight_version=weight_version)
+    serve(str(model), host=host, port=port, api_key=api_key, max_batch_size=max_batch_size,
+          weight_version=weight_version, exit_with_parent=exit_with_parent)  # fmt: skip
 
 
 def main() -> None:

@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from distributed import as_completed
+from distributed import as_completed, get_worker, rejoin, secede
 from prefect import flow, task
 from prefect.cache_policies import NONE
 from prefect_dask import DaskTaskRunner, get_dask_client
@@ -32,10 +32,28 @@ from tasks.metrics import MetricsLog
 
 @task(cache_policy=NONE, retries=2, retry_delay_seconds=[1, 5], timeout_seconds=1800)
 def generate_chunk(specs: list[GroupSpec]) -> list[GroupResult]:
-    """Generate and commit a chunk of groups, fanned out on Dask; a retry skips committed groups."""
+    """Generate and commit a chunk of groups, fanned out on Dask; a retry skips committed groups.
+
+    The chunk runs on a Dask worker thread and waits for its groups, which need worker threads
+    too: it secedes from the worker's thread pool while it waits, or a few chunks in flight
+    would hold every thread and wait forever on groups that cannot start."""
     with get_dask_client() as client:
         futures = client.map(generate_group, specs, pure=False)
-        return [future.result() for future in as_completed(futures)]
+        seceded = _secede_if_on_worker()
+        try:
+            return [future.result() for future in as_completed(futures)]
+        finally:
+            if seceded:
+                rejoin()
+
+
+def _secede_if_on_worker() -> bool:
+    try:
+        get_worker()
+    except ValueError:
+        return False
+    secede()
+    return True
 
 
 def dask_task_runner(config: RunConfig) -> DaskTaskRunner:

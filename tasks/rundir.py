@@ -12,13 +12,15 @@ import json
 import tempfile
 from pathlib import Path
 
-from configs.schema import RunConfig
+from configs.loader import ConfigError, apply_override, validate_config
+from configs.schema import RunConfig, StorageConfig
 from infra.modelfactory import load_model, load_tokenizer, prepare_initial_model
 from infra.storage import RunStore, open_run_store
 from tasks.snapshots import latest_version, publish_snapshot, publish_snapshot_dir, snapshot_versions
 from tasks.warmup import warm_start
 
 CONFIG_KEY = "config.json"
+MASKED_SECRET = "**********"
 
 
 class RunConflict(ValueError):
@@ -43,6 +45,33 @@ def write_run_config(store: RunStore, config: RunConfig) -> bool:
             f"(differs in: {', '.join(changed)}); use another --run-id or the recorded config"
         )
     return False
+
+
+def load_run_config(run_url: str, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """The config recorded in an existing run directory ({root}/{run_id}), with `overrides`.
+
+    Secrets are recorded masked, so they are dropped here and come from the environment (or an
+    override) again."""
+    root, _, run_id = run_url.rstrip("/").rpartition("/")
+    if not root or "://" not in root:
+        raise ConfigError(f"{run_url!r} is not a run directory URL like file:///path/runs/RUN_ID")
+    storage = {"root": root}
+    for override in overrides:
+        if override.startswith("storage.endpoint_url="):
+            storage["endpoint_url"] = override.partition("=")[2]
+    store = open_run_store(StorageConfig(**storage), run_id)
+    try:
+        recorded = json.loads(store.read_bytes(CONFIG_KEY))
+    except FileNotFoundError:
+        raise ConfigError(f"no {CONFIG_KEY} in {store.url}: not a tandem run directory") from None
+    for section in recorded.values():
+        if isinstance(section, dict):
+            for key, value in list(section.items()):
+                if value == MASKED_SECRET:
+                    section[key] = None
+    for override in overrides:
+        apply_override(recorded, override)
+    return validate_config(recorded)
 
 
 def initialize_run(config: RunConfig) -> RunStore:

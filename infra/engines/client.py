@@ -9,22 +9,32 @@ is the caller's mistake and is raised at once, never retried.
 
 `update_weights` moves every engine to a new snapshot with SGLang's documented order (pause ->
 update_weights_from_disk -> continue), each engine under its own timeout, and reports which
-engine is on which weight version, so one stuck engine cannot hang a weight sync.
+engine is on which weight version, so one stuck engine cannot hang a weight sync. An engine given
+up on mid-sync is out of rotation; when its /health answers again the probe sends the
+/continue_generation it missed before putting it back.
+
+HTTP goes through aiohttp, not httpx: httpcore's connection pool checks every pooled connection
+with a syscall each time a request starts or ends, which cost 3-4 ms of client CPU per /generate
+at 32 requests in flight (14x aiohttp's 0.25 ms) and capped a rollout worker near 200 requests/s
+(benchmarks/engine.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import random
 from dataclasses import dataclass
 
-import httpx
+import aiohttp
 
 from infra.engines.api import SamplingParams
 
 log = logging.getLogger(__name__)
 RETRYABLE_STATUS = frozenset({500, 502, 503, 504})
+TRANSPORT_ERRORS = (aiohttp.ClientError, TimeoutError)
+"""Connection refused or reset, server gone mid-answer, timeouts: the engine's fault, not the request's."""
 
 
 class EngineRequestError(RuntimeError):
@@ -49,6 +59,8 @@ class Endpoint:
     weight_version: str | None = None
     completed: int = 0
     failures: int = 0
+    paused: bool = False
+    """This client sent /pause_generation and no /continue_generation has been answered since."""
 
 
 @dataclass
@@ -76,14 +88,22 @@ class EngineClient:
             raise ValueError("EngineClient needs at least one engine URL")
         self.endpoints = [Endpoint(url.rstrip("/")) for url in urls]
         self.retry_seconds = retry_seconds
+        self.request_timeout = request_timeout
         self.health_interval = health_interval
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.http = httpx.AsyncClient(
-            headers=headers,
-            timeout=httpx.Timeout(request_timeout, connect=2.0),
-            limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256),
-        )
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._session: aiohttp.ClientSession | None = None
         self._prober: asyncio.Task | None = None
+
+    @property
+    def http(self) -> aiohttp.ClientSession:
+        """The client's connection pool, made on first use inside the running event loop."""
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                headers=self.headers,
+                timeout=aiohttp.ClientTimeout(total=self.request_timeout, sock_connect=2.0),
+                connector=aiohttp.TCPConnector(limit=1024, limit_per_host=0),
+            )
+        return self._session
 
     async def __aenter__(self) -> EngineClient:
         self._prober = asyncio.create_task(self._probe_unhealthy())
@@ -95,7 +115,8 @@ class EngineClient:
     async def close(self) -> None:
         if self._prober:
             self._prober.cancel()
-        await self.http.aclose()
+        if self._session is not None:
+            await self._session.close()
 
     # -- generation -------------------------------------------------------------------------
 
@@ -121,14 +142,15 @@ class EngineClient:
             if endpoint is not None:
                 endpoint.outstanding += 1
                 try:
-                    response = await self.http.post(endpoint.url + path, json=body)
-                    if response.status_code < 400:
+                    async with self.http.post(endpoint.url + path, json=body) as response:
+                        payload = await response.read()
+                    if response.status < 400:
                         endpoint.completed += 1
-                        return response.json()
-                    if response.status_code not in RETRYABLE_STATUS:
-                        raise EngineRequestError(response.status_code, response.text[:500])
-                    self._mark_unhealthy(endpoint, f"HTTP {response.status_code}")
-                except httpx.TransportError as err:
+                        return json.loads(payload)
+                    if response.status not in RETRYABLE_STATUS:
+                        raise EngineRequestError(response.status, payload[:500].decode(errors="replace"))
+                    self._mark_unhealthy(endpoint, f"HTTP {response.status}")
+                except TRANSPORT_ERRORS as err:
                     self._mark_unhealthy(endpoint, repr(err))
                 finally:
                     endpoint.outstanding -= 1
@@ -157,6 +179,13 @@ class EngineClient:
         while True:
             for endpoint in [e for e in self.endpoints if not e.healthy]:
                 if await self.is_healthy(endpoint.url):
+                    if endpoint.paused:
+                        # A weight sync gave up on it mid-way (hung, then recovered): the pause
+                        # it sent may have landed, and a paused engine would hold every request.
+                        try:
+                            await self._control(endpoint, "/continue_generation", {}, timeout=5.0)
+                        except (*TRANSPORT_ERRORS, EngineRequestError):
+                            continue
                     endpoint.weight_version = await self._weight_version(endpoint.url)
                     endpoint.healthy = True
                     log.info("engine %s back in rotation (weights %s)", endpoint.url, endpoint.weight_version)
@@ -164,16 +193,16 @@ class EngineClient:
 
     async def is_healthy(self, url: str) -> bool:
         try:
-            response = await self.http.get(url + "/health", timeout=2.0)
-        except httpx.TransportError:
+            async with self.http.get(url + "/health", timeout=aiohttp.ClientTimeout(total=2.0)) as response:
+                return response.status == 200
+        except TRANSPORT_ERRORS:
             return False
-        return response.status_code == 200
 
     async def _weight_version(self, url: str) -> str | None:
         try:
-            response = await self.http.get(url + "/model_info", timeout=5.0)
-            return response.json().get("weight_version") if response.status_code == 200 else None
-        except (httpx.TransportError, ValueError):
+            async with self.http.get(url + "/model_info", timeout=aiohttp.ClientTimeout(total=5.0)) as response:
+                return json.loads(await response.read()).get("weight_version") if response.status == 200 else None
+        except (*TRANSPORT_ERRORS, ValueError):
             return None
 
     # -- control ----------------------------------------------------------------------------
@@ -181,40 +210,50 @@ class EngineClient:
     async def update_weights(
         self, model_path: str, weight_version: str, timeout: float = 120.0, pause_mode: str = "in_place"
     ) -> list[WeightSyncResult]:
-        """Pause, load and continue every healthy engine concurrently, each within `timeout` s."""
-        targets = [e for e in self.endpoints if e.healthy]
-        return list(
-            await asyncio.gather(*(self._update_one(e, model_path, weight_version, timeout, pause_mode) for e in targets))
-        )
+        """Pause, load and continue every healthy engine concurrently, each within `timeout` s.
+
+        One result per engine, in the client's order; an engine out of rotation is not tried and
+        is reported failed, so that `all(r.ok ...)` means every engine is on the new weights."""
+
+        async def one(endpoint: Endpoint) -> WeightSyncResult:
+            if not endpoint.healthy:
+                return WeightSyncResult(endpoint.url, False, endpoint.weight_version, "skipped: out of rotation")
+            return await self._update_one(endpoint, model_path, weight_version, timeout, pause_mode)
+
+        return list(await asyncio.gather(*(one(e) for e in self.endpoints)))
 
     async def _update_one(
         self, endpoint: Endpoint, model_path: str, weight_version: str, timeout: float, pause_mode: str
     ) -> WeightSyncResult:
         async def sequence() -> WeightSyncResult:
+            endpoint.paused = True  # before sending: the pause may land even if we give up waiting
             await self._control(endpoint, "/pause_generation", {"mode": pause_mode})
             try:
-                response = await self.http.post(
+                async with self.http.post(
                     endpoint.url + "/update_weights_from_disk",
                     json={"model_path": model_path, "weight_version": weight_version},
-                    timeout=timeout,
-                )
-                answer = response.json()
+                    timeout=aiohttp.ClientTimeout(total=timeout),
+                ) as response:
+                    answer = json.loads(await response.read())
             finally:
-                await self._control(endpoint, "/continue_generation", {})
-            if response.status_code == 200 and answer.get("success"):
+                # Also runs when the timeout cancels the load: un-pause an engine that is slow but
+                # alive, within a short grace, so that a hung one still cannot hold the sync.
+                await self._control(endpoint, "/continue_generation", {}, timeout=min(timeout, 5.0))
+                endpoint.paused = False
+            if response.status == 200 and answer.get("success"):
                 endpoint.weight_version = weight_version
             return WeightSyncResult(endpoint.url, bool(answer.get("success")), endpoint.weight_version, answer.get("message", ""))
 
         try:
             return await asyncio.wait_for(sequence(), timeout)
-        except (TimeoutError, httpx.HTTPError, ValueError) as err:
+        except (*TRANSPORT_ERRORS, EngineRequestError, ValueError) as err:
             self._mark_unhealthy(endpoint, f"weight update failed: {err!r}")
             return WeightSyncResult(endpoint.url, False, endpoint.weight_version, f"failed: {err!r}")
 
-    async def _control(self, endpoint: Endpoint, path: str, body: dict) -> None:
-        response = await self.http.post(endpoint.url + path, json=body, timeout=30.0)
-        if response.status_code >= 400:
-            raise EngineRequestError(response.status_code, response.text[:500])
+    async def _control(self, endpoint: Endpoint, path: str, body: dict, timeout: float = 30.0) -> None:
+        async with self.http.post(endpoint.url + path, json=body, timeout=aiohttp.ClientTimeout(total=timeout)) as response:
+            if response.status >= 400:
+                raise EngineRequestError(response.status, (await response.text())[:500])
 
     async def abort_all(self) -> None:
         await asyncio.gather(

@@ -128,6 +128,8 @@ class CpuEngine:
         self.vocab_size = self.model.config.vocab_size
         self.context_length = self.model.config.max_position_embeddings
         self.eos_token_ids = _eos_ids(self.model)
+        layer_types = getattr(self.model.config, "layer_types", None) or ["full_attention"]
+        self.full_attention_only = all(kind == "full_attention" for kind in layer_types)
         self.waiting: queue.SimpleQueue[GenerationJob] = queue.SimpleQueue()
         self.commands: queue.SimpleQueue[tuple[Callable[[], object], Future]] = queue.SimpleQueue()
         self.wake = threading.Event()
@@ -297,8 +299,13 @@ class CpuEngine:
 
     def _forward(self, ids: torch.Tensor, mask: torch.Tensor, cache: DynamicCache, logits_to_keep: int) -> torch.Tensor:
         positions = (mask.cumsum(dim=1) - 1).clamp(min=0)[:, -ids.shape[1] :]
+        attention = mask
+        if ids.shape[1] == 1 and self.full_attention_only:
+            # One query token per row attends to every unpadded key: the 4D mask is the padding
+            # mask itself, and a ready 4D mask skips the model's mask building (~10% of a step).
+            attention = mask[:, None, None, :].bool()
         out = self.model(
-            input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache,
+            input_ids=ids, attention_mask=attention, position_ids=positions, cache=cache,
             use_cache=True, logits_to_keep=logits_to_keep,
         )  # fmt: skip
         return out.logits[:, -1, :].float()
@@ -352,6 +359,10 @@ def sample_tokens(
     in that order, as SGLang does.
     """
     vocab = logits.shape[1]
+    if all(p.temperature == 1.0 and (p.top_k < 0 or p.top_k >= vocab) and p.top_p >= 1.0 for p in params) and all(
+        g is None for g in generators
+    ):  # plain sampling, the common case in RL rollouts: the general path below, minus its no-ops
+        return torch.multinomial(torch.softmax(logits, dim=-1), 1)[:, 0]
     temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype)
     greedy = temperature <= 1e-5
     scaled = logits / temperature.clamp(min=1e-5)[:, None]

@@ -102,7 +102,7 @@ def cpu_engine_process(
     command = [
         sys.executable, "-m", "flows.cli", "engine", "serve", "--model", str(model_path),
         "--host", host, "--port", str(port), "--max-batch-size", str(max_batch_size),
-        "--weight-version", weight_version,
+        "--weight-version", weight_version, "--exit-with-parent",
     ]  # fmt: skip
     env = {"TANDEM_ENGINE_API_KEY": api_key} if api_key else None
     return EngineProcess(command, f"http://{host}:{port}", log_path, env=env)

@@ -15,13 +15,18 @@ import asyncio
 import hmac
 import logging
 import os
+import signal
+import threading
 import time
 
+import torch
 import uvicorn
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from starlette.routing import Route
 
 from infra.engines.api import (
     AbortRequest,
@@ -80,29 +85,42 @@ class BodySizeLimit:
         await response({"type": "http"}, None, send)
 
 
+class RequireApiKey:
+    """ASGI middleware: answer 401 unless the request carries `Authorization: Bearer <key>`.
+
+    A plain ASGI class rather than `@app.middleware("http")`: Starlette's BaseHTTPMiddleware
+    spawns a task group and a body stream per request, about a quarter of the server's CPU per
+    /generate under load (benchmarks/engine.py)."""
+
+    def __init__(self, app, api_key: str):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            sent = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(sent, self.expected):
+                response = JSONResponse({"error": "missing or wrong API key"}, status_code=401)
+                return await response(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
 def create_app(engine: CpuEngine, api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     """The FastAPI app serving `engine`; `api_key` (if set) is required on every route but /health."""
     app = FastAPI(title="tandem CPU engine", version="1")
-
-    @app.middleware("http")
-    async def require_api_key(request: Request, call_next):
-        if api_key and request.url.path not in OPEN_PATHS:
-            sent = request.headers.get("authorization", "")
-            if not hmac.compare_digest(sent.encode(), f"Bearer {api_key}".encode()):
-                return JSONResponse({"error": "missing or wrong API key"}, status_code=401)
-        return await call_next(request)
-
+    if api_key:
+        app.add_middleware(RequireApiKey, api_key=api_key)
     app.add_middleware(BodySizeLimit, limit=max_body_bytes)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, err: RequestValidationError):
-        # FastAPI's default echoes every offending input back; a 10^6-token prompt would come
-        # back whole. Name the field and the problem only.
-        problems = [{"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]} for e in err.errors()]
-        return JSONResponse({"error": "invalid request", "detail": problems}, status_code=422)
+        return _invalid(err.errors())
 
-    @app.post("/generate")
-    async def generate(body: GenerateRequest):
+    async def generate(request: Request):
+        try:
+            body = GenerateRequest.model_validate_json(await request.body())
+        except ValidationError as err:
+            return _invalid(err.errors(), prefix=["body"])
         bad = [t for t in body.input_ids if not 0 <= t < engine.vocab_size]
         if bad:
             raise HTTPException(400, f"input_ids outside the vocabulary [0, {engine.vocab_size}): {bad[:5]}")
@@ -118,7 +136,12 @@ def create_app(engine: CpuEngine, api_key: str | None = None, max_body_bytes: in
             engine.abort(rid=job.rid)
             raise
         results = [_result(engine, job, sample, body.return_logprob, started) for sample in job.samples]
-        return results[0] if len(results) == 1 else results
+        return JSONResponse(results[0] if len(results) == 1 else results)
+
+    # The hot route is a plain Starlette route that validates its body with the same pydantic
+    # model: FastAPI's dependency solving and response encoding (jsonable_encoder walks every
+    # logprob in Python) were half the event loop's CPU per /generate (benchmarks/engine.py).
+    app.router.routes.insert(0, Route("/generate", generate, methods=["POST"]))  # matched first
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(body: UpdateWeightsFromDiskRequest):
@@ -170,6 +193,13 @@ def create_app(engine: CpuEngine, api_key: str | None = None, max_body_bytes: in
     return app
 
 
+def _invalid(errors: list[dict], prefix: list = ()) -> JSONResponse:
+    """422 naming each offending field and the problem. FastAPI's default echoes every offending
+    input back; a 10^6-token prompt would come back whole."""
+    problems = [{"loc": [*prefix, *e["loc"]], "msg": e["msg"], "type": e["type"]} for e in errors]
+    return JSONResponse({"error": "invalid request", "detail": problems}, status_code=422)
+
+
 def _result(engine: CpuEngine, job: GenerationJob, sample, return_logprob: bool, started: float) -> dict:
     meta = {
         "id": job.rid if job.params.n == 1 else f"{job.rid}-{sample.index}",
@@ -187,9 +217,23 @@ def _result(engine: CpuEngine, job: GenerationJob, sample, return_logprob: bool,
 
 def serve(
     model_path: str, host: str = "127.0.0.1", port: int = 30000, api_key: str | None = None,
-    max_batch_size: int = 32, weight_version: str = "default",
+    max_batch_size: int = 32, weight_version: str = "default", exit_with_parent: bool = False,
 ) -> None:  # fmt: skip
-    """Load the model and serve until SIGINT/SIGTERM (uvicorn stops gracefully on both)."""
+    """Load the model and serve until SIGINT/SIGTERM (uvicorn stops gracefully on both).
+
+    With `exit_with_parent`, the server also stops when the process that started it dies: an
+    engine runs in a session of its own (so that stopping it never signals anything else), and
+    without this a SIGKILLed generator would leave its engines serving forever.
+
+    Unless OMP_NUM_THREADS says otherwise, torch gets one thread fewer than the cores this process
+    may use: the HTTP event loop shares the process and the rollout client often shares the
+    machine, and an oversubscribed intra-op pool collapses (on 2 busy cores, 2 torch threads
+    decoded 10x slower than 1 in benchmarks/engine.py)."""
+    if not os.environ.get("OMP_NUM_THREADS"):
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        torch.set_num_threads(max(1, cores - 1))
+    if exit_with_parent:
+        _stop_when_orphaned(os.getppid())
     engine = CpuEngine(model_path, max_batch_size=max_batch_size, weight_version=weight_version)
     app = create_app(engine, api_key=api_key)
     log.info("serving %s on http://%s:%d", model_path, host, port)
@@ -197,3 +241,15 @@ def serve(
         uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
     finally:
         engine.shutdown()
+
+
+def _stop_when_orphaned(parent_pid: int, poll_seconds: float = 1.0) -> None:
+    """SIGTERM this process once its parent is gone (it is re-parented, so getppid changes)."""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(poll_seconds)
+        log.warning("parent process %d is gone; stopping", parent_pid)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()

@@ -1,0 +1,270 @@
+"""EngineClient against real CPU engine processes on loopback: failover, rejoin, balance, weights.
+
+Every test starts its own two engines (with an API key, so the client's auth header is exercised
+too) and stops them by their handles. Faults are real: SIGKILL of an engine's process group mid-run,
+SIGSTOP of an engine during a weight sync, a restart on the same port.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from configs.schema import ModelConfig
+from infra.engines.api import SamplingParams
+from infra.engines.client import EngineClient, EngineRequestError
+from infra.engines.process import EngineProcess, cpu_engine_process
+from infra.manifest import MANIFEST_NAME, build_manifest
+from infra.modelfactory import save_tiny_model
+from infra.seaweed import free_port_block
+
+pytestmark = pytest.mark.slow
+
+API_KEY = "client-test-key"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+PROMPT = [1, 20, 21, 22, 23, 24]
+
+
+def prompt(i: int) -> list[int]:
+    """Distinct prompts of equal length (6 tokens)."""
+    return [1, 5 + i % 40, 20, 21, 22, 5 + (i // 40) % 40]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    """v0 and v1 snapshots (MANIFEST.json last, as committed), and v1 with one byte flipped after
+    its manifest was written."""
+    root = tmp_path_factory.mktemp("models")
+    out = {}
+    for name, seed in (("v0", 0), ("v1", 1)):
+        path = save_tiny_model(ModelConfig(), root / name, seed=seed)
+        (path / MANIFEST_NAME).write_text(json.dumps(build_manifest(path)))
+        out[name] = path
+    corrupt = root / "corrupt"
+    shutil.copytree(out["v1"], corrupt)
+    weights = corrupt / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    out["corrupt"] = corrupt
+    return out
+
+
+class Engines:
+    """Two CPU engine processes; `restart(i)` starts engine i again on its port."""
+
+    def __init__(self, model: Path, log_dir: Path):
+        self.model = model
+        self.log_dir = log_dir
+        base = free_port_block(count=2)
+        self.ports = [base, base + 1]
+        self.processes: list[EngineProcess] = [self._process(port) for port in self.ports]
+
+    def _process(self, port: int) -> EngineProcess:
+        return cpu_engine_process(self.model, port, self.log_dir / f"engine-{port}.log", api_key=API_KEY)
+
+    @property
+    def urls(self) -> list[str]:
+        return [p.url for p in self.processes]
+
+    def start(self) -> Engines:
+        with ThreadPoolExecutor(len(self.processes)) as pool:
+            list(pool.map(lambda p: p.start(timeout=120), self.processes))
+        return self
+
+    def restart(self, i: int) -> None:
+        self.processes[i].stop()
+        self.processes[i] = self._process(self.ports[i]).start(timeout=120)
+
+    def stop(self) -> None:
+        for process in self.processes:
+            if process.is_running():
+                os.killpg(process.pid, signal.SIGCONT)  # a SIGSTOPped engine cannot act on SIGTERM
+            process.stop()
+
+    def get(self, i: int, path: str) -> dict:
+        return httpx.get(self.urls[i] + path, headers=AUTH, timeout=10).json()
+
+
+@pytest.fixture
+def engines(models, tmp_path) -> Engines:
+    pair = Engines(models["v0"], tmp_path)
+    try:
+        yield pair.start()
+    finally:
+        pair.stop()
+
+
+def params(max_new_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens, ignore_eos=True)
+
+
+async def generate_many(client: EngineClient, count: int, max_new_tokens: int, concurrency: int) -> list[dict]:
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(i: int) -> dict:
+        async with gate:
+            (result,) = await client.generate(prompt(i), params(max_new_tokens))
+            return result
+
+    return await asyncio.gather(*(one(i) for i in range(count)))
+
+
+async def wait_for(condition, timeout: float, interval: float = 0.1) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        await asyncio.sleep(interval)
+    return condition()
+
+
+def test_requests_survive_a_sigkilled_engine(engines):
+    async def scenario():
+        async with EngineClient(engines.urls, api_key=API_KEY, retry_seconds=60) as client:
+            run = asyncio.create_task(generate_many(client, 100, max_new_tokens=40, concurrency=100))
+            # Kill engine 0 once it has answered a few requests and still holds many more.
+            assert await wait_for(lambda: client.status()[0]["completed"] >= 3, timeout=60, interval=0.01)
+            assert client.status()[0]["outstanding"] > 0
+            engines.processes[0].kill()
+            results = await run
+            return results, client.status()
+
+    results, status = asyncio.run(scenario())
+    assert len(results) == 100
+    assert all(r["meta_info"]["completion_tokens"] == 40 for r in results)
+    assert all(r["meta_info"]["finish_reason"]["type"] == "length" for r in results)
+    killed, survivor = status
+    assert killed["healthy"] is False and killed["failures"] >= 1
+    assert survivor["healthy"] is True
+    assert killed["completed"] + survivor["completed"] == 100
+    assert survivor["completed"] > 50, "the survivor must have taken over the killed engine's requests"
+
+
+def test_a_restarted_engine_rejoins_the_rotation(engines):
+    async def scenario():
+        async with EngineClient(engines.urls, api_key=API_KEY, retry_seconds=30, health_interval=0.2) as client:
+            engines.processes[0].kill()
+            await generate_many(client, 8, max_new_tokens=4, concurrency=8)
+            assert client.status()[0]["healthy"] is False
+            await asyncio.to_thread(engines.restart, 0)  # same port, fresh process
+            assert await wait_for(lambda: client.status()[0]["healthy"], timeout=10), client.status()
+            before = client.status()[0]["completed"]
+            await generate_many(client, 40, max_new_tokens=8, concurrency=16)
+            return before, client.status()
+
+    before, status = asyncio.run(scenario())
+    assert status[0]["healthy"] and status[1]["healthy"]
+    assert status[0]["completed"] - before >= 10, status
+    assert status[0]["weight_version"] == "0"
+
+
+def test_least_outstanding_balances_equal_requests(engines):
+    before = [engines.get(i, "/server_info")["tokens_generated"] for i in range(2)]
+
+    async def scenario():
+        async with EngineClient(engines.urls, api_key=API_KEY) as client:
+            results = await generate_many(client, 200, max_new_tokens=16, concurrency=32)
+            return results, client.status()
+
+    results, status = asyncio.run(scenario())
+    assert all(r["meta_info"]["completion_tokens"] == 16 for r in results)
+    completed = [s["completed"] for s in status]
+    assert sum(completed) == 200
+    assert max(completed) <= 0.65 * 200, completed
+    generated = [engines.get(i, "/server_info")["tokens_generated"] - before[i] for i in range(2)]
+    assert generated == [16 * c for c in completed], (generated, completed)
+
+
+def test_update_weights_loads_refuses_corrupt_snapshots_and_survives_a_hung_engine(engines, models):
+    versions = lambda: [engines.get(i, "/model_info")["weight_version"] for i in range(2)]  # noqa: E731
+
+    async def scenario():
+        async with EngineClient(engines.urls, api_key=API_KEY, health_interval=0.2) as client:
+            loaded = await client.update_weights(str(models["v1"]), "1", timeout=60)
+            assert [r.ok for r in loaded] == [True, True], loaded
+            assert [r.weight_version for r in loaded] == ["1", "1"]
+            assert versions() == ["1", "1"]
+
+            refused = await client.update_weights(str(models["corrupt"]), "2", timeout=60)
+            assert [r.ok for r in refused] == [False, False], refused
+            assert all("model.safetensors" in r.message for r in refused), refused
+            assert versions() == ["1", "1"]
+            results = await generate_many(client, 8, max_new_tokens=4, concurrency=8)
+            assert {r["meta_info"]["weight_version"] for r in results} == {"1"}
+            assert all(s["healthy"] for s in client.status())
+
+            hung = engines.processes[0]
+            os.killpg(hung.pid, signal.SIGSTOP)
+            try:
+                started = time.monotonic()
+                synced = await client.update_weights(str(models["v0"]), "3", timeout=3)
+                elapsed = time.monotonic() - started
+            finally:
+                os.killpg(hung.pid, signal.SIGCONT)
+            assert elapsed < 5, f"a hung engine held the weight sync for {elapsed:.1f}s"
+            assert [r.ok for r in synced] == [False, True], synced
+            assert client.status()[0]["healthy"] is False
+            assert engines.get(1, "/model_info")["weight_version"] == "3"
+            # Resumed, the engine is probed back into rotation and un-paused (the pause the sync
+            # sent before giving up lands once the process runs again).
+            assert await wait_for(lambda: client.status()[0]["healthy"], timeout=10), client.status()
+            assert await wait_for(lambda: not engines.get(0, "/server_info")["paused"], timeout=10)
+            assert engines.get(0, "/model_info")["weight_version"] == "1"
+            results = await generate_many(client, 16, max_new_tokens=4, concurrency=16)
+            return {r["meta_info"]["weight_version"] for r in results}
+
+    assert asyncio.run(scenario()) <= {"1", "3"}
+
+
+def test_a_4xx_is_raised_at_once_and_the_engine_stays_in_rotation(engines):
+    async def scenario():
+        async with EngineClient(engines.urls, api_key=API_KEY, retry_seconds=30) as client:
+            started = time.monotonic()
+            with pytest.raises(EngineRequestError) as refused:
+                await client.generate([1, 10_000_000], params(4))
+            elapsed = time.monotonic() - started
+            status = client.status()
+            (after,) = await client.generate(PROMPT, params(4))
+            return refused.value, elapsed, status, after
+
+    error, elapsed, status, after = asyncio.run(scenario())
+    assert error.status == 400 and "vocabulary" in str(error)
+    assert elapsed < 1.0, f"a 4xx took {elapsed:.2f}s: it must not be retried"
+    assert all(s["healthy"] and s["failures"] == 0 and s["outstanding"] == 0 for s in status), status
+    assert after["meta_info"]["completion_tokens"] == 4
+
+
+def test_engine_stops_when_the_process_that_started_it_is_killed(tmp_path):
+    """A SIGKILLed generator must not leave its engines serving (they run in their own session)."""
+    model = save_tiny_model(ModelConfig(), tmp_path / "model", seed=0)
+    port = free_port_block(count=1)
+    starter = (
+        "import sys, time, json; from pathlib import Path; from infra.engines.process import cpu_engine_process; "
+        f"p = cpu_engine_process(Path({str(model)!r}), {port}, Path({str(tmp_path / 'e.log')!r})).start(); "
+        "print(json.dumps(p.pid), flush=True); time.sleep(600)"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", starter], stdout=subprocess.PIPE, text=True)
+    engine_pid = json.loads(parent.stdout.readline())
+    parent.kill()
+    parent.wait()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            os.kill(engine_pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.2)
+    os.kill(engine_pid, 9)
+    raise AssertionError("the engine outlived its parent by 30 s")
