@@ -18,7 +18,7 @@ install: $(STAMP)
 
 ## Install, then run the embedded default (configs/tiny.yaml) end to end on this machine.
 run: install
-	$(BIN)/tandem init configs/tiny.yaml
+	$(BIN)/tandem run configs/tiny.yaml
 
 ## Install, then run the whole test suite (real SeaweedFS and engines on loopback).
 test: install

@@ -38,7 +38,7 @@ from infra.engines.api import SamplingParams  # noqa: E402
 from infra.engines.client import EngineClient  # noqa: E402
 from infra.engines.process import cpu_engine_process  # noqa: E402
 from infra.modelfactory import TASK_VOCABULARY, load_model, save_tiny_model  # noqa: E402
-from infra.seaweed import free_port_block  # noqa: E402
+from infra.ports import free_port_block  # noqa: E402
 
 NUM_PROMPTS = 32
 NEW_TOKENS = 32

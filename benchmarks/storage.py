@@ -61,7 +61,7 @@ from transformers.utils import logging as hf_logging  # noqa: E402
 
 from configs.schema import ModelConfig, StorageConfig  # noqa: E402
 from infra.modelfactory import TASK_VOCABULARY, build_model, build_tokenizer  # noqa: E402
-from infra.seaweed import SeaweedServer, free_port_block  # noqa: E402
+from infra.seaweed import SeaweedServer, free_s3_port  # noqa: E402
 from infra.storage import RunStore, open_run_store  # noqa: E402
 from tasks.shards import (  # noqa: E402
     Rollout, encode_shard, read_shard, rollouts_to_table, write_shard,
@@ -223,7 +223,7 @@ def run(cfg: dict, work: Path, progress: Progress) -> list[dict]:
     model.save_pretrained(hf_dir)
     tokenizer.save_pretrained(hf_dir)
     tables = make_tables(cfg, random.Random(0))
-    server = SeaweedServer(work / "seaweed", free_port_block())
+    server = SeaweedServer(work / "seaweed", free_s3_port())
     try:
         server.start()
         s3 = StorageConfig(root="s3://bench/runs", endpoint_url=server.endpoint_url,

@@ -46,6 +46,8 @@ Overrides = Annotated[
     typer.Option("--set", help="Override a field: section.field=value (repeatable)."),
 ]
 
+RunIdOption = Annotated[str | None, typer.Option("--run-id", help="Run id (overrides run_id in the file).")]
+
 
 def fail(message: str, code: int = 2) -> NoReturn:
     """Print an error for a person and exit with `code` (2: bad input, 1: runtime failure)."""
@@ -53,10 +55,10 @@ def fail(message: str, code: int = 2) -> NoReturn:
     raise typer.Exit(code)
 
 
-def resolve_config(config: Path | None, overrides: list[str] | None) -> RunConfig:
-    """Load and validate, or exit 2 with the field path and what is allowed."""
+def resolve_config(config: Path | None, overrides: list[str] | None, run_id: str | None = None) -> RunConfig:
+    """Load and validate (`--run-id` wins over the file), or exit 2 naming the field and what is allowed."""
     try:
-        return load_config(config, overrides or ())
+        return load_config(config, [*(overrides or ()), *([f"run_id={run_id}"] if run_id else [])])
     except ConfigError as err:
         fail(str(err))
 
@@ -65,13 +67,13 @@ def resolve_config(config: Path | None, overrides: list[str] | None) -> RunConfi
 def init(
     config: ConfigFile,
     overrides: Overrides = None,
-    run_id: Annotated[str | None, typer.Option("--run-id", help="Run id (overrides run_id in the file).")] = None,
+    run_id: RunIdOption = None,
 ) -> None:
     """Create a run directory: the resolved config.json and the initial weight snapshot v0."""
     from tasks.rundir import RunConflict, initialize_run
     from tasks.snapshots import snapshot_versions
 
-    resolved = resolve_config(config, [*(overrides or []), *([f"run_id={run_id}"] if run_id else [])])
+    resolved = resolve_config(config, overrides, run_id)
     try:
         with console.status(f"initialising run {resolved.run_id}"):
             store = initialize_run(resolved)
@@ -85,10 +87,10 @@ def init(
 def run(
     config: ConfigFile,
     overrides: Overrides = None,
-    run_id: Annotated[str | None, typer.Option("--run-id", help="Run id (overrides run_id in the file).")] = None,
+    run_id: RunIdOption = None,
 ) -> None:
     """Train end to end: warm-start, generation and training side by side, evaluation, summary."""
-    resolved = resolve_config(config, [*(overrides or []), *([f"run_id={run_id}"] if run_id else [])])
+    resolved = resolve_config(config, overrides, run_id)
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     from flows.pipeline import pipeline
     from tasks.rundir import RunConflict

@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+
+from infra.ports import free_port_block
 
 PORTS_PER_SERVER = 9
 
@@ -37,22 +38,9 @@ def weed_binary() -> str:
     return found
 
 
-def free_port_block(count: int = PORTS_PER_SERVER, start: int = 20000, end: int = 32000) -> int:
-    """The first port P in [start, end) such that P..P+count-1 are all free on 127.0.0.1."""
-    seed = start + (os.getpid() * 97) % (end - start - count)
-    for base in list(range(seed, end - count, count)) + list(range(start, seed, count)):
-        if all(_port_is_free(port) for port in range(base, base + count)):
-            return base
-    raise RuntimeError(f"no block of {count} free ports between {start} and {end}")
-
-
-def _port_is_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-        return True
+def free_s3_port() -> int:
+    """An S3 port P for a new server: P..P+8 (every port the server uses) are free."""
+    return free_port_block(PORTS_PER_SERVER)
 
 
 @dataclass

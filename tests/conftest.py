@@ -12,14 +12,14 @@ from pathlib import Path
 import pytest
 
 from configs.schema import StorageConfig
-from infra.seaweed import SeaweedServer, free_port_block
+from infra.seaweed import SeaweedServer, free_s3_port
 from infra.storage import RunStore, open_run_store
 
 
 @pytest.fixture(scope="session")
 def seaweed(tmp_path_factory) -> SeaweedServer:
     """One SeaweedFS server on loopback for the whole test session."""
-    server = SeaweedServer(tmp_path_factory.mktemp("seaweed"), free_port_block()).start()
+    server = SeaweedServer(tmp_path_factory.mktemp("seaweed"), free_s3_port()).start()
     yield server
     server.stop()
 

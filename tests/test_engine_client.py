@@ -27,7 +27,7 @@ from infra.engines.client import EngineClient, EngineRequestError
 from infra.engines.process import EngineProcess, cpu_engine_process
 from infra.manifest import MANIFEST_NAME, build_manifest
 from infra.modelfactory import save_tiny_model
-from infra.seaweed import free_port_block
+from infra.ports import free_port_block
 
 pytestmark = pytest.mark.slow
 

@@ -22,7 +22,7 @@ from configs.schema import EngineConfig, ModelConfig
 from infra.engines.process import EngineProcess, cpu_engine_process
 from infra.manifest import MANIFEST_NAME, build_manifest
 from infra.modelfactory import load_model, save_tiny_model
-from infra.seaweed import free_port_block
+from infra.ports import free_port_block
 
 BACKEND = os.environ.get("TANDEM_ENGINE_BACKEND", "cpu")
 API_KEY = "contract-test-key"

@@ -25,7 +25,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from configs.schema import StorageConfig
-from infra.seaweed import SeaweedServer, free_port_block
+from infra.seaweed import SeaweedServer, free_s3_port
 from infra.storage import RunStore, open_run_store
 from tasks.shards import (
     MAX_VERSION,
@@ -426,7 +426,7 @@ def test_writer_killed_with_a_shard_file_open_leaves_no_visible_shard(tmp_path: 
 @pytest.mark.s3
 @pytest.mark.slow
 def test_shard_writes_survive_a_storage_outage(tmp_path: Path):
-    port = free_port_block()
+    port = free_s3_port()
     server = SeaweedServer(tmp_path / "sw", port).start()
     try:
         store = open_run_store(s3_storage_config(server, retry_seconds=30.0), "run-outage")

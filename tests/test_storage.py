@@ -16,7 +16,7 @@ import pytest
 from botocore.exceptions import ClientError, EndpointConnectionError, NoCredentialsError
 
 from configs.schema import StorageConfig
-from infra.seaweed import SeaweedServer, free_port_block
+from infra.seaweed import SeaweedServer, free_s3_port
 from infra.storage import (
     RunStore, StorageRejected, StorageUnavailable, open_run_store, rejection_reason,
 )  # fmt: skip
@@ -196,7 +196,7 @@ def test_s3_bucket_is_created_on_open(seaweed: SeaweedServer):
 @pytest.mark.s3
 @pytest.mark.slow
 def test_outage_longer_than_retry_budget_fails_clearly_without_leaking_credentials(tmp_path: Path):
-    server = SeaweedServer(tmp_path / "sw", free_port_block()).start()
+    server = SeaweedServer(tmp_path / "sw", free_s3_port()).start()
     config = s3_storage_config(server, key="AKIALEAKCHECK", secret="leak-check-secret", retry_seconds=2.0)
     store = open_run_store(config, "r1")
     store.write_atomic("x", b"1")
@@ -213,7 +213,7 @@ def test_outage_longer_than_retry_budget_fails_clearly_without_leaking_credentia
 @pytest.mark.s3
 @pytest.mark.slow
 def test_reads_and_writes_survive_a_short_outage(tmp_path: Path):
-    port = free_port_block()
+    port = free_s3_port()
     server = SeaweedServer(tmp_path / "sw", port).start()
     store = open_run_store(s3_storage_config(server, retry_seconds=30.0), "r1")
     store.write_atomic("before", b"1")
@@ -233,7 +233,7 @@ def test_reads_and_writes_survive_a_short_outage(tmp_path: Path):
 @pytest.mark.s3
 @pytest.mark.slow
 def test_storage_up_serves_s3_and_stops_on_sigterm(tmp_path: Path):
-    port = free_port_block()
+    port = free_s3_port()
     env = os.environ | {"PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "flows.cli", "storage", "up", "--dir", str(tmp_path / "d"), "--port", str(port)],

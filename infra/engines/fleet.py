@@ -17,7 +17,7 @@ from pathlib import Path
 from configs.schema import EngineConfig
 from infra.engines.client import EngineClient, WeightSyncResult
 from infra.engines.process import EngineProcess, cpu_engine_process
-from infra.seaweed import free_port_block
+from infra.ports import free_port_block
 
 log = logging.getLogger(__name__)
 
