@@ -30,9 +30,12 @@ from tasks.lag import read_trainer_state
 from tasks.metrics import MetricsLog
 
 
-@task(cache_policy=NONE, retries=2, retry_delay_seconds=[1, 5], timeout_seconds=1800)
+@task(cache_policy=NONE, retries=2, retry_delay_seconds=[1, 5])
 def generate_chunk(specs: list[GroupSpec]) -> list[GroupResult]:
     """Generate and commit a chunk of groups, fanned out on Dask; a retry skips committed groups.
+
+    No task timeout: Prefect cannot interrupt a Dask worker thread. Every engine request inside
+    carries its own (engine.request_timeout_s), which is what bounds a chunk.
 
     The chunk runs on a Dask worker thread and waits for its groups, which need worker threads
     too: it secedes from the worker's thread pool while it waits, or a few chunks in flight
@@ -57,7 +60,11 @@ def _secede_if_on_worker() -> bool:
 
 
 def dask_task_runner(config: RunConfig) -> DaskTaskRunner:
-    """The run's Dask cluster: the scheduler at dask.address, or a LocalCluster of processes."""
+    """The run's Dask cluster: the scheduler at dask.address, or a LocalCluster of processes.
+
+    Dask's own INFO lines (a client connection per chunk) would bury the run's progress, so
+    its loggers are kept to warnings."""
+    logging.getLogger("distributed").setLevel(logging.WARNING)
     if config.dask.address:
         return DaskTaskRunner(address=config.dask.address)
     return DaskTaskRunner(
