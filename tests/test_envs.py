@@ -285,3 +285,18 @@ def test_split_prompts():
     train2, held_out2 = split_prompts(prompts, 0.2, seed=2)
     assert set(held_out2) == set(held_out) and train2 != train  # the seed shuffles, never moves
     assert set(split_prompts(prompts, 0.3, seed=1)[1]) >= set(held_out)
+
+
+def test_calculator_partial_credit_counts_answer_digits_and_keeps_the_penalty():
+    env = CalculatorEnv(max_turns=3, partial_credit=True, malformed_penalty=0.1)
+    prompt = Prompt("p", "Q 3 7 + 4 5", "8 2")
+    env.reset(prompt)
+    assert env.step("CALC 3 7 +").observation == "ERROR <eot>"
+    assert env.step("ANSWER 9 2").reward == pytest.approx(0.5 - 0.1)
+    env.reset(prompt)
+    assert env.step("ANSWER 8 2").reward == 1.0
+    env.reset(prompt)
+    assert env.step("ANSWER 9 2").reward == pytest.approx(0.5)
+    strict = CalculatorEnv(partial_credit=False)
+    strict.reset(prompt)
+    assert strict.step("ANSWER 9 2").reward == 0.0

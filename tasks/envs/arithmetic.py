@@ -28,6 +28,17 @@ def operand_range(digits: int) -> range:
     return range(0 if digits == 1 else 10 ** (digits - 1), 10**digits)
 
 
+def answer_reward(guess: list[str], answer: list[str], partial_credit: bool) -> float:
+    """1.0 for the exact answer; else, with partial credit, the share of digits right counted
+    from the units digit (a dense signal: each right digit is worth something), otherwise 0."""
+    if guess == answer:
+        return 1.0
+    if not partial_credit or not guess:
+        return 0.0
+    right = sum(g == a for g, a in zip(reversed(guess), reversed(answer)))
+    return right / max(len(guess), len(answer))
+
+
 class AdditionEnv(Environment):
     """Add two numbers in one turn. kwargs: digits per number (2), partial_credit (False)."""
 
@@ -55,10 +66,7 @@ class AdditionEnv(Environment):
         answer, self.prompt = self.prompt.answer.split(), None
         guess = action.split()
         correct = guess == answer
-        reward = 1.0 if correct else 0.0
-        if self.partial_credit and not correct and guess:
-            right = sum(g == a for g, a in zip(reversed(guess), reversed(answer)))
-            reward = right / max(len(guess), len(answer))
+        reward = answer_reward(guess, answer, self.partial_credit)
         malformed = not guess or not all(token in DIGITS for token in guess)
         return StepResult("", reward, True, {"correct": correct, "malformed": malformed})
 

@@ -10,7 +10,8 @@ number) and computes whatever it is asked, even numbers that differ from the que
 else that is not an ANSWER is a malformed call: observation "ERROR <eot>", a penalty, and the
 episode goes on while turns remain. The episode ends on "ANSWER ...", on an empty turn, or after
 `max_turns` turns. Reward (all on the last step): 1.0 if the ANSWER equals the true result, else
-0.0, minus `malformed_penalty` per malformed call; so it lies in [-max_turns * penalty, 1].
+0.0 (with `partial_credit`, the share of its digits right, as in AdditionEnv), minus
+`malformed_penalty` per malformed call; so it lies in [-max_turns * penalty, 1].
 An ANSWER without a CALC is allowed. With max_turns 1 the demonstration answers directly.
 """
 
@@ -19,7 +20,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Sequence
 
-from tasks.envs.arithmetic import DIGITS, MAX_DIGITS, operand_range, spell
+from tasks.envs.arithmetic import DIGITS, MAX_DIGITS, answer_reward, operand_range, spell
 from tasks.envs.base import Environment, Prompt, Segment, Split, StepResult, sample_prompts
 
 OPERATIONS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
@@ -40,7 +41,8 @@ def evaluate(tokens: Sequence[str]) -> int | None:
 class CalculatorEnv(Environment):
     """Arithmetic questions answered through a calculator tool.
 
-    kwargs: digits per number (2), ops the questions use (["+"]), malformed_penalty (0.1)."""
+    kwargs: digits per number (2), ops the questions use (["+"]), malformed_penalty (0.1),
+    partial_credit (False)."""
 
     def __init__(
         self,
@@ -48,6 +50,7 @@ class CalculatorEnv(Environment):
         digits: int = 2,
         ops: Sequence[str] = ("+",),
         malformed_penalty: float = 0.1,
+        partial_credit: bool = False,
     ) -> None:
         super().__init__(max_turns)
         self.operands = operand_range(digits)
@@ -57,6 +60,7 @@ class CalculatorEnv(Environment):
         if malformed_penalty < 0:
             raise ValueError(f"malformed_penalty must be >= 0, got {malformed_penalty}")
         self.malformed_penalty = malformed_penalty
+        self.partial_credit = partial_credit
         self.prompt: Prompt | None = None
         self.turns = 0
         self.malformed = 0
@@ -83,7 +87,8 @@ class CalculatorEnv(Environment):
         if not words:
             return self._end(correct=False, end="empty")
         if words[0] == "ANSWER":
-            return self._end(correct=words[1:] == self.prompt.answer.split(), end="answer")
+            credit = answer_reward(words[1:], self.prompt.answer.split(), self.partial_credit)
+            return self._end(correct=words[1:] == self.prompt.answer.split(), end="answer", credit=credit)
         value = evaluate(words[1:]) if words[0] == "CALC" else None
         if value is None:
             self.malformed += 1
@@ -92,11 +97,11 @@ class CalculatorEnv(Environment):
         observation = "ERROR <eot>" if value is None else f"RESULT {spell(value)} <eot>"
         return StepResult(observation, 0.0, False, {"malformed": value is None})
 
-    def _end(self, correct: bool, end: str, malformed: bool = False) -> StepResult:
+    def _end(self, correct: bool, end: str, malformed: bool = False, credit: float = 0.0) -> StepResult:
         """Close the episode: info says this turn's `malformed`, and `correct`, `malformed_calls`,
         `turns` and `end` ("answer", "empty" or "max_turns") for the whole episode."""
         self.prompt = None
-        reward = float(correct) - self.malformed_penalty * self.malformed
+        reward = max(float(correct), credit) - self.malformed_penalty * self.malformed
         info = {"malformed": malformed, "correct": correct, "malformed_calls": self.malformed}
         return StepResult("", reward, True, info | {"turns": self.turns, "end": end})
 
