@@ -53,11 +53,10 @@ def lag_of(trainer_version: int, policy_version: int) -> int:
 
 @dataclass(frozen=True)
 class Candidate:
-    """A committed group the trainer could train on: its shard key, version and sample count."""
+    """A committed group the trainer could train on: its shard key and policy version."""
 
     key: str
     policy_version: int
-    samples: int
 
 
 def select_batch(
@@ -121,10 +120,6 @@ class SlotClaims:
             if self.store.put_if_absent(slot_key(slot, self.groups_per_step), body):
                 return slot
         return None
-
-    def started(self) -> int:
-        """Groups started so far by all generators (the number of claimed slots)."""
-        return sum(len(self._slots_in(batch_dir)) for batch_dir in self._batch_dirs())
 
     def _first_unclaimed_hint(self) -> int:
         """Where to start probing: just past the highest claim in the newest batch directory.

@@ -161,7 +161,7 @@ class Learner:
         keys = list_shards(self.store, min_version=self.window_floor, max_version=self.version)
         self.window_floor = max(self.window_floor, self.version - self.config.lag.max_lag)
         return [
-            Candidate(key, parse_shard_key(key).version, samples=0)
+            Candidate(key, parse_shard_key(key).version)
             for key in keys
             if key not in self.ledger.disposed and key not in exclude
         ]
