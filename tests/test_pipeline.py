@@ -8,9 +8,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 
 from configs import TINY_CONFIG
+from tasks.envs import Environment, Prompt, Segment, StepResult
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -24,13 +26,40 @@ def finished_run(tmp_path_factory) -> Path:
         "training.prompts_per_step=4", "generation.prompts_per_chunk=2", "env.eval_prompts=8",
         "training.checkpoint_every=2", "lag.max_lag=1", "dask.n_workers=1",
     ]  # fmt: skip
+    run_pipeline(root, overrides)
+    return root / "e2e"
+
+
+class CopyEnv(Environment):
+    """A user's own environment, loaded by import path: repeat the prompt's letters."""
+
+    def __init__(self, max_turns: int, length: int = 3) -> None:
+        super().__init__(max_turns)
+        self.length = length
+
+    def prompts(self, split, count, seed):
+        letters = "abcdefghijklmnopqrstuvwxyz"
+        texts = [" ".join(letters[(i + j * 7 + (split == "eval") * 3) % 26] for j in range(self.length)) for i in range(count)]
+        return [Prompt(f"{split}-{i}", text, text) for i, text in enumerate(texts)]
+
+    def reset(self, prompt):
+        self.prompt = prompt
+        return prompt.text
+
+    def step(self, action):
+        return StepResult("", float(action.split() == self.prompt.answer.split()), True, {})
+
+    def demonstration(self, prompt):
+        return [Segment(f"{prompt.answer} <eos>", from_model=True)]
+
+
+def run_pipeline(root: Path, overrides: list[str]) -> None:
     env = os.environ | {"PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
     done = subprocess.run(
         [sys.executable, "-m", "flows.pipeline", str(TINY_CONFIG), *overrides],
         cwd=ROOT, capture_output=True, text=True, timeout=600, env=env,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
-    return root / "e2e"
 
 
 def records(run: Path, component: str) -> list[dict]:
@@ -67,3 +96,18 @@ def test_engines_moved_to_new_weights_mid_run(finished_run: Path):
     assert loaded and loaded == sorted(loaded) and max(loaded) >= 2
     groups = [r for r in generator if r["event"] == "group"]
     assert {r["policy_version"] for r in groups} > {0}, "every group came from v0: engines never updated"
+
+
+def test_a_custom_environment_runs_through_the_pipeline_by_import_path(tmp_path: Path):
+    run_pipeline(tmp_path, [
+        "run_id=custom", f"storage.root=file://{tmp_path}", "env.entrypoint=tests.test_pipeline:CopyEnv",
+        "env.kwargs.length=4", "env.max_turns=1", "training.steps=2", "training.warmup_steps=3",
+        "training.prompts_per_step=2", "generation.prompts_per_chunk=2", "env.eval_prompts=4", "dask.n_workers=1",
+    ])  # fmt: skip
+    run = tmp_path / "custom"
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 2 and summary["identity_holds"]
+    shards = list((run / "rollouts").glob("v*/*.parquet"))
+    assert shards and {pq.read_table(s, columns=["env"])["env"][0].as_py() for s in shards} == {"CopyEnv"}
+    prompt = pq.read_table(shards[0], columns=["prompt_ids"])["prompt_ids"][0].as_py()
+    assert 3 not in prompt, "the custom prompts are in the vocabulary (no <unk>)"
