@@ -149,7 +149,7 @@ def main() -> None:
         for name, lag, corrected in runs:
             progress.update(task, description=name)
             overrides = [*common, f"lag.max_lag={lag}", f"training.importance_correction={str(corrected).lower()}",
-                         f"training.publish_every=1"]  # fmt: skip
+                         "training.publish_every=1"]  # fmt: skip
             results.append(pipeline_run(name, overrides, root))
             progress.advance(task)
     print(f"\n{steps} RL steps per run, same samples per run; eval = mean greedy reward on held-out prompts\n")

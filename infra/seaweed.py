@@ -11,7 +11,6 @@ directory comes back exactly as it was (the fault tests rely on that).
 
 from __future__ import annotations
 
-import os
 import shutil
 import signal
 import subprocess

@@ -13,6 +13,7 @@ the trainer would break the equality, which is why it is checked rather than der
 
 from __future__ import annotations
 
+import io
 import json
 
 import matplotlib
@@ -90,8 +91,6 @@ def plot_reward(store: RunStore, steps: list[dict]) -> None:
 
 
 def _save(store: RunStore, figure, key: str) -> None:
-    import io
-
     buffer = io.BytesIO()
     figure.savefig(buffer, format="png", dpi=110, bbox_inches="tight")
     plt.close(figure)

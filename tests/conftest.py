@@ -11,7 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from configs.schema import StorageConfig
+import json
+import shutil
+
+from configs.schema import ModelConfig, StorageConfig
+from infra.manifest import MANIFEST_NAME, build_manifest
+from infra.modelfactory import save_tiny_model
 from infra.seaweed import SeaweedServer, free_s3_port
 from infra.storage import RunStore, open_run_store
 
@@ -50,3 +55,20 @@ def s3_store(seaweed: SeaweedServer) -> RunStore:
 def store(request) -> RunStore:
     """A fresh run directory on file:// and, as a second case, on SeaweedFS."""
     return request.getfixturevalue(f"{request.param}_store")
+
+
+def committed_model_dir(out_dir: Path, seed: int) -> Path:
+    """A tiny model directory committed like a snapshot: MANIFEST.json written last."""
+    path = save_tiny_model(ModelConfig(), out_dir, seed=seed)
+    (path / MANIFEST_NAME).write_text(json.dumps(build_manifest(path)))
+    return path
+
+
+def corrupt_copy(model_dir: Path, out_dir: Path) -> Path:
+    """A copy of a committed model directory with one byte of its weights flipped."""
+    shutil.copytree(model_dir, out_dir)
+    weights = out_dir / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    return out_dir

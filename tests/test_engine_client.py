@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -25,9 +24,9 @@ from configs.schema import ModelConfig
 from infra.engines.api import SamplingParams
 from infra.engines.client import EngineClient, EngineRequestError
 from infra.engines.process import EngineProcess, cpu_engine_process
-from infra.manifest import MANIFEST_NAME, build_manifest
 from infra.modelfactory import save_tiny_model
 from infra.ports import free_port_block
+from tests.conftest import committed_model_dir, corrupt_copy
 
 pytestmark = pytest.mark.slow
 
@@ -46,19 +45,8 @@ def models(tmp_path_factory) -> dict[str, Path]:
     """v0 and v1 snapshots (MANIFEST.json last, as committed), and v1 with one byte flipped after
     its manifest was written."""
     root = tmp_path_factory.mktemp("models")
-    out = {}
-    for name, seed in (("v0", 0), ("v1", 1)):
-        path = save_tiny_model(ModelConfig(), root / name, seed=seed)
-        (path / MANIFEST_NAME).write_text(json.dumps(build_manifest(path)))
-        out[name] = path
-    corrupt = root / "corrupt"
-    shutil.copytree(out["v1"], corrupt)
-    weights = corrupt / "model.safetensors"
-    data = bytearray(weights.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    weights.write_bytes(bytes(data))
-    out["corrupt"] = corrupt
-    return out
+    out = {name: committed_model_dir(root / name, seed=seed) for name, seed in (("v0", 0), ("v1", 1))}
+    return out | {"corrupt": corrupt_copy(out["v1"], root / "corrupt")}
 
 
 class Engines:

@@ -8,7 +8,6 @@ process on loopback, started with an API key so that the auth check runs on ever
 from __future__ import annotations
 
 import os
-import shutil
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -18,11 +17,11 @@ import httpx
 import pytest
 import torch
 
-from configs.schema import EngineConfig, ModelConfig
+from configs.schema import EngineConfig
 from infra.engines.process import EngineProcess, cpu_engine_process
-from infra.manifest import MANIFEST_NAME, build_manifest
-from infra.modelfactory import load_model, save_tiny_model
+from infra.modelfactory import load_model
 from infra.ports import free_port_block
+from tests.conftest import committed_model_dir, corrupt_copy
 
 BACKEND = os.environ.get("TANDEM_ENGINE_BACKEND", "cpu")
 API_KEY = "contract-test-key"
@@ -32,17 +31,10 @@ PROMPT = [1, 20, 21, 22, 23, 24]
 pytestmark = pytest.mark.slow
 
 
-def write_snapshot(out_dir: Path, seed: int) -> Path:
-    """A tiny model directory committed like a snapshot: MANIFEST.json written last."""
-    path = save_tiny_model(ModelConfig(), out_dir, seed=seed)
-    (path / MANIFEST_NAME).write_text(__import__("json").dumps(build_manifest(path)))
-    return path
-
-
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("models")
-    return {"initial": write_snapshot(root / "v0", seed=0), "update": write_snapshot(root / "v1", seed=1)}
+    return {"initial": committed_model_dir(root / "v0", seed=0), "update": committed_model_dir(root / "v1", seed=1)}
 
 
 @pytest.fixture(scope="module")
@@ -114,12 +106,7 @@ def test_stop_token_ends_generation(http):
 def test_update_weights_changes_outputs_and_version_and_refuses_a_corrupt_snapshot(http, models, tmp_path):
     seeded = dict(temperature=1.0, max_new_tokens=16, ignore_eos=True, sampling_seed=5)
     before = generate(http, **seeded)[0]
-    corrupt = tmp_path / "corrupt"
-    shutil.copytree(models["update"], corrupt)
-    weights = corrupt / "model.safetensors"
-    data = bytearray(weights.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    weights.write_bytes(bytes(data))
+    corrupt = corrupt_copy(models["update"], tmp_path / "corrupt")
 
     refused = http.post("/update_weights_from_disk", json={"model_path": str(corrupt), "weight_version": "9"})
     assert refused.status_code == 400 and refused.json()["success"] is False
