@@ -96,11 +96,9 @@ def run(
     from tasks.rundir import RunConflict
 
     try:
-        summary = pipeline(resolved)
+        pipeline(resolved)
     except RunConflict as err:
         fail(str(err))
-    console.print(f"eval score {summary['eval_before']:.3f} -> {summary['eval_after']:.3f}; "
-                  f"reward {summary['reward_start']:.3f} -> {summary['reward_end']:.3f}")  # fmt: skip
 
 
 @app.command("eval")

@@ -11,6 +11,7 @@ Between chunks the flow restarts dead engines on the current snapshot and loads 
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import tempfile
@@ -27,6 +28,7 @@ from infra.engines.fleet import EngineFleet
 from infra.storage import open_run_store
 from tasks.generator import GroupResult, GroupSpec, Generator, generate_group, snapshot_dir_for_engines
 from tasks.lag import read_trainer_state
+from tasks.shards import committed_slots, parse_shard_key
 from tasks.metrics import MetricsLog
 
 
@@ -91,12 +93,15 @@ def generation(config: RunConfig, producer: str = "gen0") -> dict:
     totals = {"groups": 0, "samples": 0, "engine_restarts": 0, "weight_updates": 0}
     fleet = EngineFleet(config.engine, config.generation.engines, model_dir, version, cache / "logs")
     with fleet:
+        metrics.log("engines_started", version=version, engines=fleet.describe())
         generator = Generator(config, producer, fleet, cache)
+        _recover_records(metrics, generator, config.generation.samples_per_prompt)
         in_flight = []
         busy_since, idle_seconds = time.monotonic(), 0.0
         while not read_trainer_state(store).done:
             if fleet.restart_dead():
                 totals["engine_restarts"] = fleet.restarts
+                metrics.log("engines_restarted", version=fleet.version, engines=fleet.describe(), restarts=fleet.restarts)
             if generator.refresh_weights():
                 totals["weight_updates"] += 1
                 metrics.log("weights_loaded", version=fleet.version)
@@ -120,6 +125,17 @@ def generation(config: RunConfig, producer: str = "gen0") -> dict:
     return totals
 
 
+def _recover_records(metrics: MetricsLog, generator: Generator, samples: int) -> None:
+    """Record the groups an earlier life of this producer committed but died before recording
+    (metrics are flushed every few seconds), so that the run's accounting still sees them."""
+    recorded = {line["key"] for line in map(json.loads, metrics.lines) if line["event"] == "group"}
+    for slot, key in sorted(committed_slots(generator.store).items()):
+        if parse_shard_key(key).producer == generator.producer and key not in recorded:
+            metrics.log("group", slot=slot, key=key, samples=samples, recovered=True)
+    if generator.orphans:
+        metrics.log("orphans_reclaimed", slots=generator.orphans)
+
+
 def _record(metrics: MetricsLog, totals: dict, results: list[GroupResult], version: int) -> None:
     """Log each committed group once, also one that a failed attempt of its chunk committed."""
     for result in results:
@@ -129,4 +145,5 @@ def _record(metrics: MetricsLog, totals: dict, results: list[GroupResult], versi
             totals["samples"] += result.samples
             metrics.log("group", slot=result.slot, key=result.key, samples=result.samples,
                         reward_mean=result.reward_mean, policy_version=result.policy_version,
-                        loaded_version=version, seconds=result.seconds)  # fmt: skip
+                        loaded_version=version, started_at=result.started_at, finished_at=result.finished_at,
+                        tokens=result.tokens, tokens_per_second=result.tokens / max(result.finished_at - result.started_at, 1e-9))  # fmt: skip

@@ -11,7 +11,6 @@ Run it with `tandem run configs/tiny.yaml` or `python -m flows.pipeline configs/
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -23,7 +22,7 @@ from configs import load_config
 from configs.schema import RunConfig
 from flows.evaluation import evaluation
 from flows.generation import dask_task_runner, generation
-from flows.progress import watch_run
+from flows.progress import print_summary, watch_run
 from flows.training import training
 from infra.storage import open_run_store
 from tasks.lag import TrainerState, publish_trainer_state, read_trainer_state
@@ -77,7 +76,7 @@ def pipeline(config: RunConfig) -> dict:
         generator.result()
     after = evaluation(config)
     summary = write_summary(open_run_store(config.storage, config.run_id), before, after)
-    print(json.dumps(summary, indent=2))
+    print_summary(summary, url)
     return summary
 
 

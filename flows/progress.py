@@ -1,4 +1,5 @@
-"""Console progress of a running pipeline: train steps, episodes, policy version and lag.
+"""Console output of a pipeline: progress bars while it runs (train steps, episodes, policy
+version, lag), and the summary table at the end.
 
 It reads what the components publish in the run directory (the trainer state and the metrics
 files), the same things any observer of the run could read, so it works unchanged whether the
@@ -11,6 +12,7 @@ import time
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
 
 from configs.schema import RunConfig
 from infra.storage import open_run_store
@@ -40,3 +42,20 @@ def watch_run(config: RunConfig, futures: list, poll_seconds: float = 1.0) -> No
 
 def _generator_files(store) -> list[str]:
     return [k.rsplit("/", 1)[-1].removesuffix(".jsonl") for k in store.list("metrics") if "/generator-" in k]
+
+
+def print_summary(summary: dict, run_url: str) -> None:
+    """The end-of-run summary as a table: learning, time, and the accounting identity."""
+    table = Table(title=f"run summary ({run_url}/summary.json)", show_header=False)
+    table.add_row("held-out eval score", f"{summary['eval_before']:.3f} -> {summary['eval_after']:.3f}")
+    table.add_row("held-out solved", f"{summary['solved_before']:.1%} -> {summary['solved_after']:.1%}")
+    table.add_row("batch reward (first / last 10% of steps)", f"{summary['reward_start']:.3f} -> {summary['reward_end']:.3f}")
+    table.add_row("train steps", str(summary["steps"]))
+    table.add_row("trainer idle fraction", f"{summary['trainer_idle_fraction']:.2f}")
+    counts = ("trained", "dropped_stale", "quarantined", "duplicate", "pending")
+    identity = " + ".join(f"{summary[k]} {k}" for k in counts)
+    verdict = "holds" if summary["identity_holds"] else "[bold red]BROKEN[/]"
+    table.add_row("samples", f"{summary['generated']} generated = {identity}: {verdict}")
+    table.add_row("max trained lag", str(summary["max_trained_lag"]))
+    table.add_row("plots", f"{run_url}/plots/reward.png, {run_url}/plots/timeline.png")
+    Console(stderr=True).print(table)

@@ -38,7 +38,7 @@ from infra.storage import RunStore, open_run_store
 from tasks.envs import Prompt, load_environment
 from tasks.lag import SlotClaims, admission_capacity, read_trainer_state, required_version
 from tasks.rollout import run_group
-from tasks.shards import MAX_SEQ, shard_key, write_shard
+from tasks.shards import MAX_SEQ, committed_slots, shard_key, write_shard
 from tasks.snapshots import latest_version, load_snapshot, pin_snapshot, snapshot_prefix
 
 log = logging.getLogger(__name__)
@@ -75,16 +75,20 @@ class GroupResult:
     samples: int
     reward_mean: float
     policy_version: int
-    seconds: float
+    started_at: float
+    """Wall time (epoch seconds) the group started and finished: the generator's busy intervals."""
+    finished_at: float
+    tokens: int = 0
+    """Tokens the model generated in the group (its loss-mask tokens)."""
 
 
 def generate_group(spec: GroupSpec) -> GroupResult:
     """Play one group and commit its shard (runs on a Dask worker)."""
-    started = time.monotonic()
+    started = time.time()
     store = open_run_store(spec.storage, spec.run_id)
     existing = _committed_shard(store, spec)
     if existing is not None:
-        return GroupResult(spec.slot, existing, False, spec.samples, 0.0, -1, time.monotonic() - started)
+        return GroupResult(spec.slot, existing, False, spec.samples, 0.0, -1, started, time.time())
     tokenizer = _tokenizer(store)
     env_cls = load_environment(spec.env_entrypoint)
 
@@ -102,7 +106,7 @@ def generate_group(spec: GroupSpec) -> GroupResult:
     rewards = [r.reward for r in rollouts]
     return GroupResult(
         spec.slot, written.key, written.created, len(rollouts), sum(rewards) / len(rewards),
-        min(r.policy_version for r in rollouts), time.monotonic() - started,
+        min(r.policy_version for r in rollouts), started, time.time(), sum(sum(r.loss_mask) for r in rollouts),
     )  # fmt: skip
 
 
@@ -148,6 +152,10 @@ class Generator:
         env = load_environment(config.env.entrypoint)(max_turns=config.env.max_turns, **config.env.kwargs)
         self.prompts = env.prompts("train", config.env.train_prompts, config.seed)
         self.waiting_seconds = 0.0
+        self.orphans = self.claims.claimed_by_me(exclude=set(committed_slots(self.store)))
+        """Slots an earlier life of this producer claimed but never committed (it died with them
+        in flight). They are generated first: left alone, the capacity they hold would leak,
+        and a leak of more than max_lag batches stalls the run."""
 
     @property
     def loaded_version(self) -> int:
@@ -167,13 +175,14 @@ class Generator:
         return True
 
     def claim_specs(self, most: int) -> list[GroupSpec]:
-        """Claim up to `most` slots that admission allows on the loaded weights (maybe none)."""
+        """Up to `most` slots to generate: this producer's orphans first, then new claims that
+        admission allows on the loaded weights (maybe none)."""
         state = read_trainer_state(self.store)
         if state.done:
             return []
         lag, per_step = self.config.lag.max_lag, self.config.training.prompts_per_step
         capacity = admission_capacity(state.version, lag, per_step, state.lost_groups)
-        specs = []
+        specs = [self.spec(self.orphans.pop(0)) for _ in range(min(most, len(self.orphans)))]
         while len(specs) < most and required_version(self.claims.next_slot, lag, per_step) <= self.loaded_version:
             slot = self.claims.claim(capacity)
             if slot is None:

@@ -121,6 +121,14 @@ class SlotClaims:
                 return slot
         return None
 
+    def claimed_by_me(self, exclude: set[int] | frozenset[int] = frozenset()) -> list[int]:
+        """Every slot this producer has claimed, over the run's history, except `exclude`.
+
+        Reads the claim of each slot not in `exclude` (one GET each): pass the slots known to be
+        committed, so that only the few that are not get read."""
+        slots = [s for batch_dir in self._batch_dirs() for s in self._slots_in(batch_dir) if s not in exclude]
+        return [s for s in slots if json.loads(self.store.read_bytes(slot_key(s, self.groups_per_step)))["producer"] == self.producer]
+
     def _first_unclaimed_hint(self) -> int:
         """Where to start probing: just past the highest claim in the newest batch directory.
 

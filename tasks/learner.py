@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -82,6 +83,8 @@ class Learner:
         self.window_floor = 0
         self.idle_seconds = 0.0
         self.busy_seconds = 0.0
+        self.wait_seconds = 0.0
+        """How long the last admit_batch waited: the idle interval before the step."""
 
     @property
     def version(self) -> int:
@@ -121,7 +124,8 @@ class Learner:
                     self._dispose(key, "duplicate", samples=table.num_rows)
                 else:
                     chosen[key] = table
-        self.idle_seconds += time.monotonic() - started
+        self.wait_seconds = time.monotonic() - started
+        self.idle_seconds += self.wait_seconds
         return chosen
 
     def train_step(self, shards: dict[str, pa.Table]) -> dict:
@@ -133,16 +137,22 @@ class Learner:
         advantages = group_advantages(rewards, [r.group_id for r in rollouts])
         trained_at = self.version
         step_metrics = self.trainer.rl_step(build_batch(rollouts, advantages))
+        lags = Counter()
         for key, shard in shards.items():
             self._dispose(key, "trained", samples=shard.num_rows)
             self.ledger.trained_groups.append(shard["group_id"][0].as_py())
-            self.ledger.lags.append(lag_of(trained_at, parse_shard_key(key).version))
+            lag = lag_of(trained_at, parse_shard_key(key).version)
+            self.ledger.lags.append(lag)
+            lags[lag] += shard.num_rows
         self._publish()
-        self.busy_seconds += time.monotonic() - started
+        step_seconds = time.monotonic() - started
+        self.busy_seconds += step_seconds
         record = step_metrics | {
             "version": self.version, "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std(unbiased=False)),
-            "samples": len(rollouts), "busy_seconds": self.busy_seconds, "idle_seconds": self.idle_seconds,
-            "step_seconds": time.monotonic() - started, **self.ledger.counts,
+            "samples": len(rollouts), "lag_histogram": {str(k): lags[k] for k in sorted(lags)},
+            "tokens_per_second": step_metrics["tokens"] / step_seconds, "busy_seconds": self.busy_seconds,
+            "idle_seconds": self.idle_seconds, "step_seconds": step_seconds, "wait_seconds": self.wait_seconds,
+            **self.ledger.counts,
         }  # fmt: skip
         return self.metrics.log("train_step", **record)
 

@@ -60,9 +60,17 @@ def accounting(store: RunStore) -> dict:
     return counts | {"identity_holds": accounted == counts["generated"], "max_trained_lag": max(ledger.lags, default=0)}
 
 
+def train_steps(store: RunStore) -> list[dict]:
+    """The trainer's step records, one per version: a trainer killed after a step and resumed
+    from an earlier checkpoint trains that version again, and the later record is the one whose
+    weights the run kept."""
+    by_version = {r["version"]: r for r in read_metrics(store, "trainer") if r["event"] == "train_step"}
+    return [by_version[v] for v in sorted(by_version)]
+
+
 def write_summary(store: RunStore, eval_before: dict, eval_after: dict) -> dict:
     """summary.json and the plots; returns the summary."""
-    steps = [r for r in read_metrics(store, "trainer") if r["event"] == "train_step"]
+    steps = train_steps(store)
     head, tail = steps[: max(1, len(steps) // 10)], steps[-max(1, len(steps) // 10):]
     last = steps[-1] if steps else {}
     busy, idle = last.get("busy_seconds", 0.0), last.get("idle_seconds", 0.0)
@@ -79,6 +87,7 @@ def write_summary(store: RunStore, eval_before: dict, eval_after: dict) -> dict:
     }
     store.write_atomic(SUMMARY_KEY, json.dumps(summary, indent=2).encode())
     plot_reward(store, steps)
+    plot_timeline(store, steps, list(generator_records(store).values()))
     return summary
 
 
@@ -88,6 +97,35 @@ def plot_reward(store: RunStore, steps: list[dict]) -> None:
     axis.set(xlabel="policy version (trainer step)", ylabel="mean reward of the trained batch", title="reward")
     axis.grid(alpha=0.3)
     _save(store, figure, "plots/reward.png")
+
+
+def plot_timeline(store: RunStore, steps: list[dict], groups: list[dict]) -> None:
+    """When the trainer stepped or waited for data, and when generation had groups in flight."""
+    timed = [g for g in groups if "started_at" in g]
+    if not steps and not timed:
+        return
+    origin = min([r["time"] - r["step_seconds"] - r["wait_seconds"] for r in steps] + [g["started_at"] for g in timed])
+    train_busy = [(r["time"] - r["step_seconds"] - origin, r["step_seconds"]) for r in steps]
+    train_wait = [(r["time"] - r["step_seconds"] - r["wait_seconds"] - origin, r["wait_seconds"]) for r in steps]
+    generating = _union((g["started_at"] - origin, g["finished_at"] - origin) for g in timed)
+    figure, axis = plt.subplots(figsize=(10, 2.6))
+    axis.broken_barh(train_wait, (10, 8), color="#f2c14e", label="trainer waiting for data")
+    axis.broken_barh(train_busy, (10, 8), color="#2a6f97", label="trainer stepping")
+    axis.broken_barh([(a, b - a) for a, b in generating], (0, 8), color="#52a675", label="groups in flight")
+    axis.set(yticks=[4, 14], yticklabels=["generation", "training"], xlabel="seconds since the first step started", title="timeline")
+    axis.legend(loc="upper center", bbox_to_anchor=(0.5, -0.35), ncol=3, frameon=False)
+    _save(store, figure, "plots/timeline.png")
+
+
+def _union(intervals) -> list[tuple[float, float]]:
+    """Merge overlapping (start, end) intervals."""
+    merged: list[tuple[float, float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
 
 
 def _save(store: RunStore, figure, key: str) -> None:

@@ -194,6 +194,21 @@ def list_shards(store: RunStore, min_version: int = 0, max_version: int | None =
     return keys
 
 
+def committed_slots(store: RunStore) -> dict[int, str]:
+    """Slot (seq) -> key of every group ever committed, in rollouts/ or moved to quarantine/
+    (by its original key, as the ledger and the generators' records name it).
+
+    A quarantined group was generated and is accounted for (as lost); only a slot with neither
+    was never committed."""
+    slots = {parse_shard_key(key).seq: key for key in list_shards(store)}
+    for prefix in store.list("quarantine/rollouts"):
+        for key in store.list(prefix):
+            match = SHARD_KEY_PATTERN.match(key.removeprefix("quarantine/"))
+            if match and not key.endswith(".reason.json"):
+                slots.setdefault(int(match["seq"]), match[0])
+    return slots
+
+
 def read_shard(
     store: RunStore, key: str, *, current_version: int | None = None, vocab_size: int | None = None
 ) -> pa.Table:

@@ -14,6 +14,8 @@ from hypothesis import strategies as st
 from configs.schema import StorageConfig
 from infra.storage import open_run_store
 from tasks.lag import Candidate, SlotClaims, admission_capacity, lag_of, required_version, select_batch
+from tasks.shards import committed_slots, quarantine_shard, shard_key, write_shard
+from tests.test_shards import make_rollouts
 
 RUNS = itertools.count()
 
@@ -101,3 +103,18 @@ def test_concurrent_claims_never_share_a_slot():
     assert first.claim(6) is None and second.claim(6) is None
     late = SlotClaims(store, "gen2", 4)
     assert late.claim(8) == 6, "a generator that joins late starts after the existing claims"
+
+
+def test_a_restarted_producer_finds_the_slots_it_claimed_but_never_committed(tmp_path):
+    store = open_run_store(StorageConfig(root=f"file://{tmp_path}"), "run")
+    mine, theirs = SlotClaims(store, "gen0", 4), SlotClaims(store, "gen1", 4)
+    claimed = {name: [claims.claim(capacity=100) for _ in range(3)] for name, claims in (("gen0", mine), ("gen1", theirs))}
+    committed, quarantined, in_flight = claimed["gen0"]
+    write_shard(store, make_rollouts(version=0), "gen0", committed)
+    bad = write_shard(store, make_rollouts(version=0), "gen0", quarantined).key
+    quarantine_shard(store, bad, store.read_bytes(bad), "test")
+
+    slots = committed_slots(store)
+    assert slots == {committed: shard_key(0, "gen0", committed), quarantined: bad}, "quarantined groups count as committed"
+    restarted = SlotClaims(store, "gen0", 4)
+    assert restarted.claimed_by_me(exclude=set(slots)) == [in_flight], "only its own uncommitted claim"

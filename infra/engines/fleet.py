@@ -43,6 +43,10 @@ class EngineFleet:
     def api_key(self) -> str | None:
         return self.engine.api_key.get_secret_value() if self.engine.api_key else None
 
+    def describe(self) -> list[dict]:
+        """URL and process id of each engine: what an operator (or a fault test) needs to find it."""
+        return [{"url": p.url, "pid": p.pid} for p in self.processes]
+
     def start(self, timeout: float = 300.0) -> EngineFleet:
         for process in self.processes:
             process.start(timeout)
