@@ -32,6 +32,11 @@ from tasks.shards import committed_slots, parse_shard_key
 from tasks.metrics import MetricsLog
 
 
+POLL_SECONDS = 0.2
+"""How often the loop looks at LATEST and the trainer state while it has nothing to start: a
+storage read each, so not much more often than the trainer steps."""
+
+
 @task(cache_policy=NONE, retries=2, retry_delay_seconds=[1, 5])
 def generate_chunk(specs: list[GroupSpec]) -> list[GroupResult]:
     """Generate and commit a chunk of groups, fanned out on Dask; a retry skips committed groups.
@@ -77,10 +82,11 @@ def dask_task_runner(config: RunConfig) -> DaskTaskRunner:
 
 
 def chunks_in_flight(config: RunConfig) -> int:
-    """Enough chunks in flight to fill every engine's batch about twice over."""
+    """Enough chunks in flight to fill every engine's batch about twice over, and at least two,
+    so that the engines have work while the newest chunk's last episode finishes."""
     sequences = config.generation.engines * config.engine.max_batch_size * 2
     per_chunk = config.generation.samples_per_prompt * config.generation.prompts_per_chunk
-    return max(1, math.ceil(sequences / per_chunk))
+    return max(2, math.ceil(sequences / per_chunk))
 
 
 @flow(name="generation", log_prints=True)
@@ -105,7 +111,7 @@ def generation(config: RunConfig, producer: str = "gen0") -> dict:
             if generator.refresh_weights():
                 totals["weight_updates"] += 1
                 metrics.log("weights_loaded", version=fleet.version)
-            for future in [f for f in in_flight if f.state.is_final()]:
+            for future in [f for f in in_flight if f.wrapped_future.done()]:
                 in_flight.remove(future)
                 _record(metrics, totals, future.result(), fleet.version)
             specs = generator.claim_specs(config.generation.prompts_per_chunk) if len(in_flight) < chunks_in_flight(config) else []
@@ -113,16 +119,25 @@ def generation(config: RunConfig, producer: str = "gen0") -> dict:
                 in_flight.append(generate_chunk.submit(specs))
             elif not in_flight:
                 idle_started = time.monotonic()
-                time.sleep(0.1)
+                time.sleep(POLL_SECONDS)
                 idle_seconds += time.monotonic() - idle_started
             else:
-                time.sleep(0.05)
+                _wait_for_first(in_flight, POLL_SECONDS)
         for future in in_flight:
             _record(metrics, totals, future.result(), fleet.version)
     totals.pop("keys", None)
     metrics.log("finished", busy_seconds=time.monotonic() - busy_since - idle_seconds, idle_seconds=idle_seconds, **totals)
     metrics.flush()
     return totals
+
+
+def _wait_for_first(futures: list, timeout: float) -> None:
+    """Block until one chunk finishes or `timeout` passes. It looks at the Dask futures
+    themselves, a local check: a Prefect future's `state` is an API call, and polling it in a
+    loop kept the Prefect server busier than the engines."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not any(f.wrapped_future.done() for f in futures):
+        time.sleep(0.01)
 
 
 def _recover_records(metrics: MetricsLog, generator: Generator, samples: int) -> None:

@@ -4,7 +4,8 @@ On the embedded default both children run in this process, concurrently: each is
 called inside a task, and the two tasks are submitted to the thread-pool task runner, which keeps
 them linked to this run in the Prefect UI. The generation flow brings its own Dask cluster. They
 meet only in the run directory. If training fails, the trainer state is marked done so that
-generation stops instead of waiting forever, and the failure propagates.
+generation stops instead of waiting forever; if generation fails, a stop request in the run
+directory ends the trainer's wait for data. Either way the failure propagates.
 
 Run it with `tandem run configs/tiny.yaml` or `python -m flows.pipeline configs/tiny.yaml`.
 """
@@ -25,7 +26,7 @@ from flows.generation import dask_task_runner, generation
 from flows.progress import print_summary, watch_run
 from flows.training import training
 from infra.storage import open_run_store
-from tasks.lag import TrainerState, publish_trainer_state, read_trainer_state
+from tasks.lag import STOP_KEY, TrainerState, publish_trainer_state, read_trainer_state, request_stop
 from tasks.report import write_summary
 from tasks.rundir import initialize_run
 
@@ -38,7 +39,11 @@ def initialize(config: RunConfig) -> str:
 
 @task(cache_policy=NONE)
 def run_generation(config: RunConfig, producer: str) -> dict:
-    return generation.with_options(task_runner=dask_task_runner(config))(config, producer)
+    try:
+        return generation.with_options(task_runner=dask_task_runner(config))(config, producer)
+    except BaseException as err:
+        request_stop(open_run_store(config.storage, config.run_id), f"generation {producer} failed: {err!r}"[:2000])
+        raise
 
 
 def share_prefect_api_with_workers() -> None:
@@ -66,6 +71,7 @@ def pipeline(config: RunConfig) -> dict:
     share_prefect_api_with_workers()
     url = initialize(config)
     print(f"run directory: {url}")
+    open_run_store(config.storage, config.run_id).delete(STOP_KEY)  # a stop request of an earlier attempt
     before = evaluation(config, version=0)
     producers = [f"gen{i}" for i in range(1)]
     generators = [run_generation.submit(config, producer) for producer in producers]

@@ -17,15 +17,23 @@ from prefect.cache_policies import NONE
 from configs.schema import RunConfig
 from infra.modelfactory import load_model, load_tokenizer
 from infra.storage import open_run_store
+from tasks.lag import stop_reason
 from tasks.learner import Learner
 from tasks.metrics import MetricsLog
 from tasks.snapshots import load_snapshot
 
 
+class GenerationStopped(RuntimeError):
+    """The generation side failed for good, so no batch will ever come."""
+
+
 @task(cache_policy=NONE)
 def admit_batch(learner: Learner) -> dict[str, pa.Table]:
     """Wait for `prompts_per_step` groups within the lag bound; drop and count stale ones."""
-    return learner.admit_batch()
+    shards = learner.admit_batch(should_stop=lambda: stop_reason(learner.store) is not None)
+    if shards is None:
+        raise GenerationStopped(f"training stopped at v{learner.version}: {stop_reason(learner.store)}")
+    return shards
 
 
 @task(cache_policy=NONE, retries=1, retry_delay_seconds=2)

@@ -8,7 +8,7 @@ Two halves, split by where they run:
   claimed slots into `GroupSpec`s: small, picklable descriptions of one group's work.
 - `generate_group` runs on a Dask worker, one call per group: it plays `samples` episodes of the
   slot's prompt against the engines (tasks/rollout.py) and commits them as one shard, keyed by
-  producer and slot. A retried group first looks for its own shard and, if it is committed,
+  producer and slot. A worker plays all its groups on one event loop with one engine client. A retried group first looks for its own shard and, if it is committed,
   returns it instead of generating again: a slot is written once, whatever fails around it.
 
 Slot s always maps to the same training prompt (s modulo the prompt count), so a retried slot
@@ -93,15 +93,15 @@ def generate_group(spec: GroupSpec) -> GroupResult:
     env_cls = load_environment(spec.env_entrypoint)
 
     async def play():
-        async with EngineClient(list(spec.engine_urls), api_key=spec.api_key, request_timeout=spec.request_timeout) as client:
-            return await run_group(
-                client, lambda: env_cls(max_turns=spec.max_turns, **spec.env_kwargs), spec.prompt, spec.samples,
-                tokenizer, SamplingParams(**spec.sampling), max_turns=spec.max_turns,
-                context_length=spec.context_length, loaded_version=spec.loaded_version,
-                group_id=f"s{spec.slot:08d}", producer=spec.producer,
-            )  # fmt: skip
+        client = await _engine_client(spec)
+        return await run_group(
+            client, lambda: env_cls(max_turns=spec.max_turns, **spec.env_kwargs), spec.prompt, spec.samples,
+            tokenizer, SamplingParams(**spec.sampling), max_turns=spec.max_turns,
+            context_length=spec.context_length, loaded_version=spec.loaded_version,
+            group_id=f"s{spec.slot:08d}", producer=spec.producer,
+        )  # fmt: skip
 
-    rollouts = asyncio.run(play())
+    rollouts = asyncio.run_coroutine_threadsafe(play(), _worker_loop()).result()
     written = write_shard(store, rollouts, spec.producer, spec.slot)
     rewards = [r.reward for r in rollouts]
     return GroupResult(
@@ -118,6 +118,37 @@ def _committed_shard(store, spec: GroupSpec) -> str | None:
         if store.exists(key):
             return key
     return None
+
+
+_LOOP: asyncio.AbstractEventLoop | None = None
+_CLIENTS: dict[tuple, EngineClient] = {}
+_LOOP_LOCK = threading.Lock()
+
+
+def _worker_loop() -> asyncio.AbstractEventLoop:
+    """This worker process's event loop, in a daemon thread, started on first use.
+
+    Every group a worker runs, from any of its threads, plays its episodes on this one loop
+    through one `EngineClient` per engine set. A loop and client per group cost more CPU than
+    the episodes' own Python work (a connection pool, a TLS context and a health prober made
+    and torn down for every 8 episodes), and per-group clients could not share what they learn
+    about a dead engine."""
+    global _LOOP
+    with _LOOP_LOCK:
+        if _LOOP is None:
+            _LOOP = asyncio.new_event_loop()
+            threading.Thread(target=_LOOP.run_forever, name="tandem-episodes", daemon=True).start()
+        return _LOOP
+
+
+async def _engine_client(spec: GroupSpec) -> EngineClient:
+    """The worker's client for `spec`'s engines (made on the worker loop, kept for later groups)."""
+    key = (spec.engine_urls, spec.api_key, spec.request_timeout)
+    client = _CLIENTS.get(key)
+    if client is None:
+        client = _CLIENTS[key] = EngineClient(list(spec.engine_urls), api_key=spec.api_key, request_timeout=spec.request_timeout)
+        await client.__aenter__()
+    return client
 
 
 _TOKENIZERS: dict[str, PreTrainedTokenizerBase] = {}

@@ -97,6 +97,22 @@ def read_trainer_state(store: RunStore) -> TrainerState:
         return TrainerState(version=0)
 
 
+STOP_KEY = "lag/stop.json"
+
+
+def request_stop(store: RunStore, reason: str) -> None:
+    """Ask the trainer to stop waiting for data: the generation side has failed for good."""
+    store.write_atomic(STOP_KEY, json.dumps({"reason": reason, "at": time.time()}).encode())
+
+
+def stop_reason(store: RunStore) -> str | None:
+    """Why a stop was requested, or None."""
+    try:
+        return json.loads(store.read_bytes(STOP_KEY))["reason"]
+    except FileNotFoundError:
+        return None
+
+
 class SlotClaims:
     """Claims of admission slots in the run directory, shared by every generator of a run."""
 

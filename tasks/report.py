@@ -109,9 +109,9 @@ def plot_timeline(store: RunStore, steps: list[dict], groups: list[dict]) -> Non
     train_wait = [(r["time"] - r["step_seconds"] - r["wait_seconds"] - origin, r["wait_seconds"]) for r in steps]
     generating = _union((g["started_at"] - origin, g["finished_at"] - origin) for g in timed)
     figure, axis = plt.subplots(figsize=(10, 2.6))
-    axis.broken_barh(train_wait, (10, 8), color="#f2c14e", label="trainer waiting for data")
-    axis.broken_barh(train_busy, (10, 8), color="#2a6f97", label="trainer stepping")
-    axis.broken_barh([(a, b - a) for a, b in generating], (0, 8), color="#52a675", label="groups in flight")
+    axis.broken_barh(train_wait, (10, 8), color="#f2c14e", linewidth=0, label="trainer waiting for data")
+    axis.broken_barh(train_busy, (10, 8), color="#2a6f97", linewidth=0, label="trainer stepping")
+    axis.broken_barh([(a, b - a) for a, b in generating], (0, 8), color="#52a675", linewidth=0, label="groups in flight")
     axis.set(yticks=[4, 14], yticklabels=["generation", "training"], xlabel="seconds since the first step started", title="timeline")
     axis.legend(loc="upper center", bbox_to_anchor=(0.5, -0.35), ncol=3, frameon=False)
     _save(store, figure, "plots/timeline.png")

@@ -100,7 +100,7 @@ def test_engines_moved_to_new_weights_mid_run(finished_run: Path):
 
 def test_a_custom_environment_runs_through_the_pipeline_by_import_path(tmp_path: Path):
     run_pipeline(tmp_path, [
-        "run_id=custom", f"storage.root=file://{tmp_path}", "env.entrypoint=tests.test_pipeline:CopyEnv",
+        "run_id=custom", f"storage.root=file://{tmp_path}", "env.entrypoint=tests.test_pipeline:CopyEnv", "env.kwargs={}",
         "env.kwargs.length=4", "env.max_turns=1", "training.steps=2", "training.warmup_steps=3",
         "training.prompts_per_step=2", "generation.prompts_per_chunk=2", "env.eval_prompts=4", "dask.n_workers=1",
     ])  # fmt: skip

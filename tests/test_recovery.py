@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from configs import TINY_CONFIG
-from tests.test_pipeline import ROOT, records, run_pipeline
+from tests.test_pipeline import ROOT, CopyEnv, records, run_pipeline
 
 pytestmark = pytest.mark.slow
 
@@ -99,3 +99,22 @@ def test_an_engine_killed_mid_run_is_restarted_on_the_current_weights(tmp_path: 
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == steps and summary["identity_holds"], summary
     assert summary["trained"] == steps * 4 * 8
+
+
+class BrokenTrainingEnv(CopyEnv):
+    """Plays held-out prompts but raises on every training prompt: generation fails for good."""
+
+    def step(self, action):
+        if self.prompt.prompt_id.startswith("train"):
+            raise RuntimeError("environment bug")
+        return super().step(action)
+
+
+def test_a_generation_side_that_fails_for_good_fails_the_run_instead_of_hanging(tmp_path: Path):
+    command = [sys.executable, "-m", "flows.pipeline", str(TINY_CONFIG), f"storage.root=file://{tmp_path}", "run_id=broken",
+               "env.entrypoint=tests.test_recovery:BrokenTrainingEnv", "env.kwargs={}", "env.max_turns=1", "training.steps=3", *SMALL_RUN]  # fmt: skip
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env=os.environ | {"PREFECT_SERVER_ANALYTICS_ENABLED": "false"})  # fmt: skip
+    assert done.returncode != 0
+    assert "environment bug" in (tmp_path / "broken" / "lag" / "stop.json").read_text()
+    assert "GenerationStopped" in done.stdout + done.stderr
