@@ -28,7 +28,6 @@ from infra.engines.fleet import EngineFleet
 from infra.storage import open_run_store
 from tasks.generator import GroupResult, GroupSpec, Generator, generate_group, snapshot_dir_for_engines
 from tasks.lag import read_trainer_state
-from tasks.shards import committed_slots, parse_shard_key
 from tasks.metrics import MetricsLog
 
 
@@ -144,8 +143,8 @@ def _recover_records(metrics: MetricsLog, generator: Generator, samples: int) ->
     """Record the groups an earlier life of this producer committed but died before recording
     (metrics are flushed every few seconds), so that the run's accounting still sees them."""
     recorded = {line["key"] for line in map(json.loads, metrics.lines) if line["event"] == "group"}
-    for slot, key in sorted(committed_slots(generator.store).items()):
-        if parse_shard_key(key).producer == generator.producer and key not in recorded:
+    for slot, key in sorted(generator.committed_at_start.items()):
+        if key not in recorded:
             metrics.log("group", slot=slot, key=key, samples=samples, recovered=True)
     if generator.orphans:
         metrics.log("orphans_reclaimed", slots=generator.orphans)

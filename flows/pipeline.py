@@ -28,12 +28,23 @@ from flows.training import training
 from infra.storage import open_run_store
 from tasks.lag import STOP_KEY, TrainerState, publish_trainer_state, read_trainer_state, request_stop
 from tasks.report import write_summary
-from tasks.rundir import initialize_run
+from tasks.rundir import RunConflict, initialize_run
 
 
-@task(cache_policy=NONE)
+def _worth_retrying(task, task_run, state) -> bool:
+    """Retry storage trouble, not a run id reused with another config (a user error)."""
+    try:
+        state.result()
+    except RunConflict:
+        return False
+    except Exception:
+        return True
+    return True
+
+
+@task(cache_policy=NONE, retries=2, retry_delay_seconds=[2, 10], retry_condition_fn=_worth_retrying)
 def initialize(config: RunConfig) -> str:
-    """Record the config and publish the warm-started v0 (idempotent)."""
+    """Record the config and publish the warm-started v0 (idempotent, so safe to retry)."""
     return initialize_run(config).url
 
 

@@ -38,7 +38,7 @@ from infra.storage import RunStore, open_run_store
 from tasks.envs import Prompt, load_environment
 from tasks.lag import SlotClaims, admission_capacity, read_trainer_state, required_version
 from tasks.rollout import run_group
-from tasks.shards import MAX_SEQ, committed_slots, shard_key, write_shard
+from tasks.shards import MAX_SEQ, committed_slots, parse_shard_key, shard_key, write_shard
 from tasks.snapshots import latest_version, load_snapshot, pin_snapshot, snapshot_prefix
 
 log = logging.getLogger(__name__)
@@ -183,7 +183,10 @@ class Generator:
         env = load_environment(config.env.entrypoint)(max_turns=config.env.max_turns, **config.env.kwargs)
         self.prompts = env.prompts("train", config.env.train_prompts, config.seed)
         self.waiting_seconds = 0.0
-        self.orphans = self.claims.claimed_by_me(exclude=set(committed_slots(self.store)))
+        committed = committed_slots(self.store)
+        self.committed_at_start = {slot: key for slot, key in committed.items() if parse_shard_key(key).producer == producer}
+        """Slot -> key of every group this producer committed before this start (an earlier life's)."""
+        self.orphans = self.claims.claimed_by_me(exclude=set(committed))
         """Slots an earlier life of this producer claimed but never committed (it died with them
         in flight). They are generated first: left alone, the capacity they hold would leak,
         and a leak of more than max_lag batches stalls the run."""

