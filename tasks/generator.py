@@ -8,8 +8,9 @@ Two halves, split by where they run:
   claimed slots into `GroupSpec`s: small, picklable descriptions of one group's work.
 - `generate_group` runs on a Dask worker, one call per group: it plays `samples` episodes of the
   slot's prompt against the engines (tasks/rollout.py) and commits them as one shard, keyed by
-  producer and slot. A worker plays all its groups on one event loop with one engine client. A retried group first looks for its own shard and, if it is committed,
-  returns it instead of generating again: a slot is written once, whatever fails around it.
+  producer and slot. A worker plays all its groups on one event loop with one engine client.
+  A retried group first looks for its own shard and, if it is committed, returns it instead of
+  generating again: a slot is written once, whatever fails around it.
 
 Slot s always maps to the same training prompt (s modulo the prompt count), so a retried slot
 regenerates the same prompt and the group id (the slot) is stable across retries.
