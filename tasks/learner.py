@@ -9,8 +9,8 @@
    (polling, counted as idle time) until `prompts_per_step` trainable groups are there.
 2. Group-normalised advantages, one RL optimizer step (tasks/trainer.py): V becomes V+1.
 3. Every `publish_every` steps a snapshot; then the trainer state (version, groups lost) that
-   generators size their admission by; every `checkpoint_every` steps a checkpoint with the
-   ledger.
+   generators size their admission by; every `checkpoint_every` steps the metrics are flushed
+   and a checkpoint with the ledger is saved.
 
 The ledger records every shard key the learner has disposed of (trained, dropped stale,
 quarantined) and every trained group id. It is saved in each checkpoint, so a restarted trainer
@@ -154,7 +154,13 @@ class Learner:
             "idle_seconds": self.idle_seconds, "step_seconds": step_seconds, "wait_seconds": self.wait_seconds,
             **self.ledger.counts,
         }  # fmt: skip
-        return self.metrics.log("train_step", **record)
+        logged = self.metrics.log("train_step", **record)
+        if self.version % self.config.training.checkpoint_every == 0:
+            # Metrics first: a trainer resumed from this checkpoint must find every step's record
+            # up to it, and metrics otherwise reach storage only every few seconds.
+            self.metrics.flush()
+            self._checkpoint()
+        return logged
 
     def finish(self) -> None:
         """Final checkpoint, the ledger for the run's accounting, and the trainer state marked
@@ -197,8 +203,6 @@ class Learner:
             publish_snapshot(self.store, self.trainer.model, self.tokenizer, self.version)
             apply_retention(self.store, self.config.storage.keep_last_snapshots, self.config.storage.keep_every_snapshot)
         publish_trainer_state(self.store, TrainerState(self.version, self.ledger.lost_groups))
-        if self.version % training.checkpoint_every == 0:
-            self._checkpoint()
 
     def _checkpoint(self) -> None:
         save_checkpoint(self.store, self.version, self.trainer.model, self.trainer.optimizer,
