@@ -82,7 +82,7 @@ class GenerationConfig(Section):
     """Engines (and generator processes) started by one generation run."""
     samples_per_prompt: int = Field(8, ge=1, le=256)
     """Group size n: samples per prompt, normalised together for the advantage."""
-    prompts_per_chunk: int = Field(8, ge=1, le=4096)
+    prompts_per_chunk: int = Field(16, ge=1, le=4096)
     """Prompt groups in one Prefect task run (episodes inside fan out on Dask)."""
     temperature: float = Field(1.0, ge=0, le=10)
     """Sampling temperature; 0 is greedy."""
