@@ -1,5 +1,6 @@
 """Run configuration: pydantic models (schema.py), YAML loading with overrides (loader.py), and
-the shipped YAML files (tiny.yaml is the embedded default). Imports nothing else of tandem."""
+the shipped YAML files (tiny.yaml is the embedded default, deployed.yaml the default of the
+`pipeline` deployment). Imports nothing else of tandem."""
 
 from pathlib import Path
 
@@ -8,5 +9,6 @@ from configs.schema import RunConfig
 
 CONFIG_DIR = Path(__file__).parent
 TINY_CONFIG = CONFIG_DIR / "tiny.yaml"
+DEPLOYED_CONFIG = CONFIG_DIR / "deployed.yaml"
 
-__all__ = ["CONFIG_DIR", "TINY_CONFIG", "ConfigError", "RunConfig", "load_config"]
+__all__ = ["CONFIG_DIR", "DEPLOYED_CONFIG", "TINY_CONFIG", "ConfigError", "RunConfig", "load_config"]

@@ -12,11 +12,14 @@ This package imports nothing of tandem: every other layer may import it.
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+RunId = Annotated[str, Field(pattern=RUN_ID_PATTERN.pattern, max_length=64)]
+"""A run id as a flow parameter: Prefect checks the pattern when a run is submitted."""
 
 
 class Section(BaseModel):
@@ -145,6 +148,8 @@ class StorageConfig(Section):
     """S3 access key; null reads $AWS_ACCESS_KEY_ID."""
     secret: SecretStr | None = None
     """S3 secret key; null reads $AWS_SECRET_ACCESS_KEY."""
+    credentials_block: str | None = Field(None, pattern=r"^[a-z0-9][a-z0-9-]{0,127}$")
+    """Name of a Prefect Secret block holding {"key": ..., "secret": ...}; wins over the env vars."""
     retry_seconds: float = Field(30.0, ge=0, le=3600)
     """How long a storage call keeps retrying transient errors before it gives up."""
     keep_last_snapshots: int = Field(3, ge=1, le=10000)
@@ -195,14 +200,20 @@ class DaskConfig(Section):
 
 
 class PrefectConfig(Section):
-    """How the flows run: in one process (embedded) or as deployments on two work pools."""
+    """How the flows run: in one process (local) or as deployments on two work pools."""
 
     mode: Literal["local", "deployed"] = "local"
-    """`local`: both subflows in this process; `deployed`: children on their work pools."""
-    inference_pool: str = "inference"
-    """Work pool of the generation runs."""
-    training_pool: str = "training"
-    """Work pool of the training run."""
+    """`local`: both subflows in this process; `deployed`: children are deployment runs on their pools."""
+    deployment: str = Field("tandem", pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
+    """Deployed mode: name of the child deployments (`training/NAME`, `generation/NAME`)."""
+    generators: int = Field(1, ge=1, le=256)
+    """Generation runs started at the beginning (each with `generation.engines` engines)."""
+    generation_restarts: int = Field(3, ge=0, le=1000)
+    """Deployed mode: how often, in all, the parent restarts a crashed or failed generation run."""
+    watch_seconds: float = Field(2.0, gt=0, le=600)
+    """Deployed mode: how often the parent looks at its children and the scale request."""
+    evaluate_every: int = Field(0, ge=0, le=1_000_000)
+    """Mark every this-many-th published snapshot for evaluation (the `evaluation` trigger); 0: none."""
 
 
 class RunConfig(Section):
@@ -230,6 +241,18 @@ class RunConfig(Section):
     """The Dask cluster for episodes."""
     prefect: PrefectConfig = Field(default_factory=PrefectConfig)
     """How the flows are run."""
+
+    @model_validator(mode="after")
+    def _no_credentials_in_parameters(self) -> RunConfig:
+        # A deployed run hands its config to child runs as Prefect parameters, which the server
+        # stores and the UI shows: credentials must reach the workers another way.
+        if self.prefect.mode == "deployed" and (self.storage.key or self.storage.secret):
+            raise ValueError(
+                "storage.key and storage.secret must be null when prefect.mode is 'deployed': "
+                "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY on the workers, or name a Prefect "
+                "Secret block in storage.credentials_block"
+            )
+        return self
 
     @model_validator(mode="after")
     def _generators_can_stay_fresh(self) -> RunConfig:

@@ -1,7 +1,10 @@
 """The `tandem` command line: a thin layer over configs/, infra/ and the flows.
 
-Commands: `config show|schema` (inspect a run configuration), `storage up` (a local S3 server on
-loopback) and `init` (lay out a run directory with its config and the initial weight snapshot).
+Commands: `run` (train end to end on the embedded default), `init` (lay out a run directory
+with its config and the initial weight snapshot), `eval` (score a snapshot), `deploy` (work
+pools and deployments on a Prefect server), `scale` (generation runs of a deployed run),
+`config show|schema` (inspect a run configuration), `storage up` (a local S3 server on
+loopback) and `engine serve` (tandem's CPU engine).
 Every command validates its config before it touches anything, so a bad config exits 2 having
 written nothing.
 """
@@ -121,6 +124,49 @@ def evaluate_run(
 
     result = evaluation(resolved, version)
     console.print(f"v{result['version']}: score {result['score']:.3f} (solved {result['solved']:.1%})")
+
+
+@app.command("deploy")
+def deploy(
+    project_dir: Annotated[Path, typer.Option(help="Directory holding prefect.yaml (and the flows workers run).")] = Path("."),
+) -> None:
+    """Create the work pools and every deployment of prefect.yaml on the server at PREFECT_API_URL.
+
+    Idempotent: existing pools are kept, deployments are updated in place."""
+    from prefect.settings import PREFECT_API_URL
+
+    project = project_dir.resolve()
+    spec_path = project / "prefect.yaml"
+    if not spec_path.is_file():
+        fail(f"{spec_path}: no prefect.yaml here; run from tandem's project directory or pass --project-dir")
+    api_url = PREFECT_API_URL.value()
+    if not api_url:
+        fail("PREFECT_API_URL is not set: point it at your Prefect server, e.g. "
+             "export PREFECT_API_URL=http://127.0.0.1:4200/api")  # fmt: skip
+    from infra.deployments import apply_deployments
+
+    try:
+        names = apply_deployments(project, yaml.safe_load(spec_path.read_text()))
+    except RuntimeError as err:
+        fail(str(err), code=1)
+    console.print(f"deployed to {api_url}: " + ", ".join(names))
+
+
+@app.command("scale")
+def scale(
+    run_id: Annotated[str, typer.Argument(help="Run id of a deployed pipeline run.")],
+    generators: Annotated[int, typer.Option(help="Generation runs the run should have.", min=1, max=256)],
+) -> None:
+    """Ask a deployed run for N generation runs; its parent adds or retires them within seconds."""
+    from prefect.variables import Variable
+
+    from configs.schema import RUN_ID_PATTERN
+    from flows.supervisor import scale_variable
+
+    if not RUN_ID_PATTERN.fullmatch(run_id):
+        fail(f"{run_id!r} is not a run id (letters, digits, '.', '_', '-'; at most 64 characters)")
+    Variable.set(scale_variable(run_id), generators, overwrite=True)
+    console.print(f"run {run_id}: asked for {generators} generation runs (variable {scale_variable(run_id)})")
 
 
 @config_app.command("show")

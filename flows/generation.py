@@ -6,7 +6,9 @@ groups, with retries. Inside it the groups fan out as plain Dask work on the flo
 stay in flight so that the engines' batches stay full while a chunk's slowest episode finishes.
 
 Between chunks the flow restarts dead engines on the current snapshot and loads newer snapshots
-(pause -> load -> continue), and it stops when the trainer's published state says done.
+(pause -> load -> continue). It stops when the trainer's published state says done, or when
+it is asked to retire (a scale-down): then it claims nothing more and finishes the chunks it
+has in flight, so that every slot it claimed is committed.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -27,7 +30,7 @@ from configs.schema import RunConfig
 from infra.engines.fleet import EngineFleet
 from infra.storage import open_run_store
 from tasks.generator import GroupResult, GroupSpec, Generator, generate_group, snapshot_dir_for_engines
-from tasks.lag import read_trainer_state
+from tasks.lag import read_trainer_state, retire_requested
 from tasks.metrics import MetricsLog
 
 
@@ -68,6 +71,10 @@ def _secede_if_on_worker() -> bool:
 def dask_task_runner(config: RunConfig) -> DaskTaskRunner:
     """The run's Dask cluster: the scheduler at dask.address, or a LocalCluster of processes.
 
+    The generation flow enters it itself rather than taking it as the flow's task runner:
+    its size comes from the run's config, a parameter, and a deployment's flow (started by a
+    worker from its entrypoint) has no other place to take it from.
+
     Dask's own INFO lines (a client connection per chunk) would bury the run's progress, so
     its loggers are kept to warnings."""
     logging.getLogger("distributed").setLevel(logging.WARNING)
@@ -97,13 +104,14 @@ def generation(config: RunConfig, producer: str = "gen0") -> dict:
     metrics = MetricsLog(store, f"generator-{producer}")
     totals = {"groups": 0, "samples": 0, "engine_restarts": 0, "weight_updates": 0}
     fleet = EngineFleet(config.engine, config.generation.engines, model_dir, version, cache / "logs")
-    with fleet:
-        metrics.log("engines_started", version=version, engines=fleet.describe())
+    with dask_task_runner(config) as dask, fleet:
+        metrics.log("engines_started", version=version, engines=fleet.describe(), pid=os.getpid())
         generator = Generator(config, producer, fleet, cache)
         _recover_records(metrics, generator, config.generation.samples_per_prompt)
         in_flight = []
         busy_since, idle_seconds = time.monotonic(), 0.0
-        while not read_trainer_state(store).done:
+        retiring = _RetireCheck(store, producer)
+        while not read_trainer_state(store).done and not (retiring.due() and not generator.orphans):
             if fleet.restart_dead():
                 totals["engine_restarts"] = fleet.restarts
                 metrics.log("engines_restarted", version=fleet.version, engines=fleet.describe(), restarts=fleet.restarts)
@@ -113,9 +121,10 @@ def generation(config: RunConfig, producer: str = "gen0") -> dict:
             for future in [f for f in in_flight if f.wrapped_future.done()]:
                 in_flight.remove(future)
                 _record(metrics, totals, future.result(), fleet.version)
-            specs = generator.claim_specs(config.generation.prompts_per_chunk) if len(in_flight) < chunks_in_flight(config) else []
+            more = len(in_flight) < chunks_in_flight(config)
+            specs = generator.claim_specs(config.generation.prompts_per_chunk, new_claims=not retiring.due()) if more else []
             if specs:
-                in_flight.append(generate_chunk.submit(specs))
+                in_flight.append(dask.submit(generate_chunk, {"specs": specs}))
             elif not in_flight:
                 idle_started = time.monotonic()
                 time.sleep(POLL_SECONDS)
@@ -125,9 +134,24 @@ def generation(config: RunConfig, producer: str = "gen0") -> dict:
         for future in in_flight:
             _record(metrics, totals, future.result(), fleet.version)
     totals.pop("keys", None)
+    totals["retired"] = retiring.requested
     metrics.log("finished", busy_seconds=time.monotonic() - busy_since - idle_seconds, idle_seconds=idle_seconds, **totals)
     metrics.flush()
     return totals
+
+
+class _RetireCheck:
+    """Whether this producer was asked to leave the run (tasks/lag.py `request_retire`),
+    looked up at most once a second: it is a storage read, and scaling down is not urgent."""
+
+    def __init__(self, store, producer: str):
+        self.store, self.producer, self.checked_at, self.requested = store, producer, 0.0, False
+
+    def due(self) -> bool:
+        if not self.requested and time.monotonic() - self.checked_at >= 1.0:
+            self.checked_at = time.monotonic()
+            self.requested = retire_requested(self.store, self.producer)
+        return self.requested
 
 
 def _wait_for_first(futures: list, timeout: float) -> None:

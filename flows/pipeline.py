@@ -1,11 +1,13 @@
 """The pipeline flow (parent): set up the run, then generation and training side by side.
 
-On the embedded default both children run in this process, concurrently: each is a subflow
-called inside a task, and the two tasks are submitted to the thread-pool task runner, which keeps
-them linked to this run in the Prefect UI. The generation flow brings its own Dask cluster. They
-meet only in the run directory. If training fails, the trainer state is marked done so that
-generation stops instead of waiting forever; if generation fails, a stop request in the run
-directory ends the trainer's wait for data. Either way the failure propagates.
+On the embedded default (`prefect.mode: local`) both children run in this process,
+concurrently: each is a subflow called inside a task, and the two tasks are submitted to the
+thread-pool task runner, which keeps them linked to this run in the Prefect UI. The generation
+flow brings its own Dask cluster. In deployed mode the children are deployment runs on their
+work pools, started and watched by flows/supervisor.py. Either way they meet only in the run
+directory. If training fails, its flow marks the trainer state done so that generation stops
+instead of waiting forever; if generation fails for good, a stop request in the run directory
+ends the trainer's wait for data. Either way the failure propagates.
 
 Run it with `tandem run configs/tiny.yaml` or `python -m flows.pipeline configs/tiny.yaml`.
 """
@@ -19,14 +21,16 @@ from prefect import flow, task
 from prefect.client.orchestration import get_client
 from prefect.cache_policies import NONE
 
-from configs import load_config
-from configs.schema import RunConfig
+from configs import DEPLOYED_CONFIG, load_config
+from configs.schema import RunConfig, RunId
 from flows.evaluation import evaluation
-from flows.generation import dask_task_runner, generation
+from flows.generation import generation
 from flows.progress import print_summary, watch_run
+from flows.supervisor import Supervisor
 from flows.training import training
+from flows.ui import publish_summary
 from infra.storage import open_run_store
-from tasks.lag import STOP_KEY, TrainerState, publish_trainer_state, read_trainer_state, request_stop
+from tasks.lag import reopen_run, request_stop
 from tasks.report import write_summary
 from tasks.rundir import RunConflict, initialize_run
 
@@ -51,7 +55,7 @@ def initialize(config: RunConfig) -> str:
 @task(cache_policy=NONE)
 def run_generation(config: RunConfig, producer: str) -> dict:
     try:
-        return generation.with_options(task_runner=dask_task_runner(config))(config, producer)
+        return generation(config, producer)
     except BaseException as err:
         request_stop(open_run_store(config.storage, config.run_id), f"generation {producer} failed: {err!r}"[:2000])
         raise
@@ -67,32 +71,40 @@ def share_prefect_api_with_workers() -> None:
 
 @task(cache_policy=NONE)
 def run_training(config: RunConfig) -> dict:
-    try:
-        return training(config)
-    except BaseException:
-        store = open_run_store(config.storage, config.run_id)
-        state = read_trainer_state(store)
-        publish_trainer_state(store, TrainerState(state.version, state.lost_groups, done=True))
-        raise
+    return training(config)
 
 
 @flow(name="pipeline", log_prints=True)
-def pipeline(config: RunConfig) -> dict:
-    """Train `config`'s run end to end: init, eval v0, generate and train, eval, summary."""
+def pipeline(config: RunConfig | None = None, run_id: RunId | None = None) -> dict:
+    """Train a run end to end: init, eval, generate and train, eval, summary.
+
+    The first evaluation scores the newest snapshot: v0 for a new run, where it stopped for a
+    restarted or continued one.
+
+    `config` defaults to configs/deployed.yaml (what `prefect deployment run pipeline/tandem`
+    runs); `run_id` overrides the config's, so that a user starts a fresh run with one --param.
+    """
+    config = config or load_config(DEPLOYED_CONFIG)
+    if run_id:
+        config = config.model_copy(update={"run_id": run_id})
     share_prefect_api_with_workers()
     url = initialize(config)
     print(f"run directory: {url}")
-    open_run_store(config.storage, config.run_id).delete(STOP_KEY)  # a stop request of an earlier attempt
-    before = evaluation(config, version=0)
-    producers = [f"gen{i}" for i in range(1)]
-    generators = [run_generation.submit(config, producer) for producer in producers]
-    trainer = run_training.submit(config)
-    watch_run(config, [trainer, *generators])
-    trainer.result()
-    for generator in generators:
-        generator.result()
+    reopen_run(open_run_store(config.storage, config.run_id))
+    before = evaluation(config)
+    if config.prefect.mode == "deployed":
+        Supervisor(config).run()
+    else:
+        producers = [f"gen{i}" for i in range(config.prefect.generators)]
+        generators = [run_generation.submit(config, producer) for producer in producers]
+        trainer = run_training.submit(config)
+        watch_run(config, [trainer, *generators])
+        trainer.result()
+        for generator in generators:
+            generator.result()
     after = evaluation(config)
     summary = write_summary(open_run_store(config.storage, config.run_id), before, after)
+    publish_summary(summary, url, config.run_id)
     print_summary(summary, url)
     return summary
 

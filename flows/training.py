@@ -3,6 +3,8 @@
 Each step is two Prefect task runs, `admit_batch` (waits for enough fresh groups; its duration is
 the trainer's idle time) and `train_step` (one optimizer step, then publish and checkpoint), so
 the Prefect UI shows where the trainer's time goes. Both are side-effecting and never cached.
+After each step the flow moves its progress artifact, and after each published snapshot it emits
+`tandem.weights.published` (flows/ui.py).
 """
 
 from __future__ import annotations
@@ -16,11 +18,12 @@ from prefect.cache_policies import NONE
 
 from configs.schema import RunConfig
 from infra.modelfactory import load_model, load_tokenizer
-from infra.storage import open_run_store
-from tasks.lag import stop_reason
+from flows.ui import TrainingProgress, announce_snapshot, due_for_evaluation
+from infra.storage import RunStore, open_run_store
+from tasks.lag import TrainerState, publish_trainer_state, read_trainer_state, stop_reason
 from tasks.learner import Learner
 from tasks.metrics import MetricsLog
-from tasks.snapshots import load_snapshot
+from tasks.snapshots import load_snapshot, pin_snapshot
 
 
 class GenerationStopped(RuntimeError):
@@ -44,18 +47,43 @@ def train_step(learner: Learner, shards: dict[str, pa.Table]) -> dict:
 
 @flow(name="training", log_prints=True)
 def training(config: RunConfig) -> dict:
-    """Train `config`'s run to `training.steps`, resuming from its newest checkpoint."""
+    """Train `config`'s run to `training.steps`, resuming from its newest checkpoint.
+
+    If it fails, the trainer state is marked done first, so that the run's generators stop
+    instead of waiting for a trainer that will not come back."""
     store = open_run_store(config.storage, config.run_id)
+    try:
+        return _train(config, store)
+    except BaseException:
+        state = read_trainer_state(store)
+        publish_trainer_state(store, TrainerState(state.version, state.lost_groups, done=True))
+        raise
+
+
+def _train(config: RunConfig, store: RunStore) -> dict:
     cache = Path(tempfile.mkdtemp(prefix="tandem-trainer-"))
     initial = load_snapshot(store, cache / "weights", version=0)
     learner = Learner(config, store, load_model(initial), load_tokenizer(initial), cache, MetricsLog(store, "trainer"))
     resumed = learner.resume()
     if resumed is not None:
         print(f"resumed from checkpoint at version {resumed}")
+    progress = TrainingProgress(config, learner.version)
     while learner.version < config.training.steps:
-        train_step(learner, admit_batch(learner))
+        record = train_step(learner, admit_batch(learner))
+        progress.step_done(record)
+        if learner.version % config.training.publish_every == 0:
+            _announce(config, store, learner.version)
     learner.finish()
     return {
         "version": learner.version, "busy_seconds": learner.busy_seconds,
         "idle_seconds": learner.idle_seconds, **learner.ledger.counts,
     }  # fmt: skip
+
+
+def _announce(config: RunConfig, store: RunStore, version: int) -> None:
+    """Tell automations about snapshot `version`. One marked for evaluation in deployed mode is
+    pinned for its evaluator first (the evaluation flow unpins it), so that retention cannot
+    delete it before the triggered run has loaded it."""
+    if config.prefect.mode == "deployed" and due_for_evaluation(config, version):
+        pin_snapshot(store, f"eval-v{version}", version)
+    announce_snapshot(config, version, store.url)

@@ -336,10 +336,7 @@ def open_run_store(storage: StorageConfig, run_id: str) -> RunStore:
 def s3_filesystem(storage: StorageConfig) -> fsspec.AbstractFileSystem:
     """An s3fs filesystem with listing caches off (readers must see new shards at once) and
     botocore's own retries cut to one attempt, so that `RunStore._retry` owns the backoff."""
-    key = storage.key.get_secret_value() if storage.key else os.environ.get("AWS_ACCESS_KEY_ID")
-    secret = (
-        storage.secret.get_secret_value() if storage.secret else os.environ.get("AWS_SECRET_ACCESS_KEY")
-    )
+    key, secret = _credentials(storage)
     endpoint = storage.endpoint_url or os.environ.get("AWS_ENDPOINT_URL")
     return fsspec.filesystem(
         "s3",
@@ -350,6 +347,24 @@ def s3_filesystem(storage: StorageConfig) -> fsspec.AbstractFileSystem:
         skip_instance_cache=True,
         config_kwargs={"connect_timeout": 5, "read_timeout": 60, "retries": {"max_attempts": 2}},
     )
+
+
+def _credentials(storage: StorageConfig) -> tuple[str | None, str | None]:
+    """S3 key and secret: the config's own, else the named Prefect Secret block, else the env.
+
+    A deployed run cannot carry them in its config (parameters are stored and shown by the
+    server), so workers read them from their environment or from a Secret block."""
+    if storage.key or storage.secret:
+        return (storage.key.get_secret_value() if storage.key else None,
+                storage.secret.get_secret_value() if storage.secret else None)  # fmt: skip
+    if storage.credentials_block:
+        from prefect.blocks.system import Secret
+
+        value = Secret.load(storage.credentials_block).get()
+        if not isinstance(value, dict) or not {"key", "secret"} <= value.keys():
+            raise ValueError(f"Secret block {storage.credentials_block!r} must hold {{\"key\": ..., \"secret\": ...}}")
+        return value["key"], value["secret"]
+    return os.environ.get("AWS_ACCESS_KEY_ID"), os.environ.get("AWS_SECRET_ACCESS_KEY")
 
 
 def _remove_empty_dirs(top: Path) -> None:

@@ -183,7 +183,6 @@ class Generator:
         self.claims = SlotClaims(self.store, producer, config.training.prompts_per_step)
         env = load_environment(config.env.entrypoint)(max_turns=config.env.max_turns, **config.env.kwargs)
         self.prompts = env.prompts("train", config.env.train_prompts, config.seed)
-        self.waiting_seconds = 0.0
         committed = committed_slots(self.store)
         self.committed_at_start = {slot: key for slot, key in committed.items() if parse_shard_key(key).producer == producer}
         """Slot -> key of every group this producer committed before this start (an earlier life's)."""
@@ -209,16 +208,17 @@ class Generator:
             log.warning("engines failed to load v%d: %s", newest, [(r.url, r.message) for r in failed])
         return True
 
-    def claim_specs(self, most: int) -> list[GroupSpec]:
-        """Up to `most` slots to generate: this producer's orphans first, then new claims that
-        admission allows on the loaded weights (maybe none)."""
+    def claim_specs(self, most: int, new_claims: bool = True) -> list[GroupSpec]:
+        """Up to `most` slots to generate: this producer's orphans first, then (unless
+        `new_claims` is False: the producer is retiring) new claims that admission allows on
+        the loaded weights (maybe none)."""
         state = read_trainer_state(self.store)
         if state.done:
             return []
         lag, per_step = self.config.lag.max_lag, self.config.training.prompts_per_step
         capacity = admission_capacity(state.version, lag, per_step, state.lost_groups)
         specs = [self.spec(self.orphans.pop(0)) for _ in range(min(most, len(self.orphans)))]
-        while len(specs) < most and required_version(self.claims.next_slot, lag, per_step) <= self.loaded_version:
+        while new_claims and len(specs) < most and required_version(self.claims.next_slot, lag, per_step) <= self.loaded_version:
             slot = self.claims.claim(capacity)
             if slot is None:
                 break

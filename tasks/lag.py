@@ -113,6 +113,37 @@ def stop_reason(store: RunStore) -> str | None:
         return None
 
 
+RETIRE_PREFIX = "lag/retire"
+
+
+def request_retire(store: RunStore, producer: str) -> None:
+    """Ask generator `producer` to leave the run: claim nothing more, finish what it started.
+
+    Scaling down goes through this request rather than killing the generator, so that the
+    slots it claimed are all committed; a killed generator's claims would hold capacity until
+    a generator with its producer id came back to regenerate them."""
+    store.write_atomic(f"{RETIRE_PREFIX}/{producer}.json", json.dumps({"at": time.time()}).encode())
+
+
+def retire_requested(store: RunStore, producer: str) -> bool:
+    return store.exists(f"{RETIRE_PREFIX}/{producer}.json")
+
+
+def withdraw_retire(store: RunStore, producer: str) -> None:
+    """Let `producer` generate again (a scale-up reuses the ids of retired generators)."""
+    store.delete(f"{RETIRE_PREFIX}/{producer}.json")
+
+
+def reopen_run(store: RunStore) -> None:
+    """Before a run (re)starts: forget an earlier attempt's stop request, and the done mark of
+    a trainer that failed or reached an earlier step target (a continued run trains on), so
+    that the generators it starts do not stop at once."""
+    store.delete(STOP_KEY)
+    state = read_trainer_state(store)
+    if state.done:
+        publish_trainer_state(store, TrainerState(state.version, state.lost_groups))
+
+
 class SlotClaims:
     """Claims of admission slots in the run directory, shared by every generator of a run."""
 

@@ -23,6 +23,11 @@ CONFIG_KEY = "config.json"
 MASKED_SECRET = "**********"
 
 
+OPERATIONAL_FIELDS = ("training.steps", "prefect", "dask", "engine", "generation.engines")
+"""Config fields a restarted or continued run may change: how it runs and for how long, not
+what it trains on. config.json keeps the values of the run's first start."""
+
+
 class RunConflict(ValueError):
     """The run id exists with a different configuration."""
 
@@ -39,7 +44,9 @@ def write_run_config(store: RunStore, config: RunConfig) -> bool:
         return True
     recorded = json.loads(store.read_bytes(CONFIG_KEY))
     if recorded != json.loads(document):
-        changed = sorted(_changed_fields(recorded, json.loads(document)))
+        changed = [f for f in _changed_fields(recorded, json.loads(document)) if not _operational(f)]
+        if not changed:
+            return False
         raise RunConflict(
             f"run {config.run_id!r} at {store.url} was started with a different config "
             f"(differs in: {', '.join(changed)}); use another --run-id or the recorded config"
@@ -89,6 +96,10 @@ def initialize_run(config: RunConfig) -> RunStore:
                 warm_start(model, tokenizer, config)
                 publish_snapshot(store, model, tokenizer, 0, staging_dir=Path(staging))
     return store
+
+
+def _operational(field: str) -> bool:
+    return any(field == name or field.startswith(name + ".") for name in OPERATIONAL_FIELDS)
 
 
 def _changed_fields(old: dict, new: dict, prefix: str = "") -> list[str]:

@@ -75,6 +75,10 @@ BAD_CONFIGS = [
     ("seed: 1\n", ["seed.x=1"], "seed is not a section"),
     ("training: {lr: 0}\n", [], "training.lr"),
     ("key: [unclosed\n", [], "not valid YAML"),
+    ("prefect:\n  mode: deployed\nstorage:\n  key: AKIA\n", [], "storage.key and storage.secret must be null"),
+    ("prefect:\n  mode: cloud\n", [], "prefect.mode: Input should be 'local' or 'deployed'"),
+    ("prefect:\n  deployment: a/b\n", [], "prefect.deployment"),
+    ("storage:\n  credentials_block: My Block\n", [], "storage.credentials_block"),
 ]
 
 
@@ -141,6 +145,10 @@ def test_init_writes_config_and_snapshot_once_and_refuses_a_changed_config(tmp_p
     assert changed.exit_code == 2
     assert "lag.max_lag" in changed.output
     assert {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")} == before, "a refused init wrote something"
+    for operational in ("training.steps=500", "prefect.generators=3", "dask.n_workers=1", "engine.max_batch_size=8"):
+        again = runner.invoke(app, [*args, "--set", operational])
+        assert again.exit_code == 0, f"{operational} changes how the run is run, not what it trains: {again.output}"
+    assert json.loads((run_dir / "config.json").read_text()) == recorded, "config.json keeps the first start's values"
 
 
 def test_init_with_a_bad_config_writes_nothing(tmp_path: Path):

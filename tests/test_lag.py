@@ -118,3 +118,23 @@ def test_a_restarted_producer_finds_the_slots_it_claimed_but_never_committed(tmp
     assert slots == {committed: shard_key(0, "gen0", committed), quarantined: bad}, "quarantined groups count as committed"
     restarted = SlotClaims(store, "gen0", 4)
     assert restarted.claimed_by_me(exclude=set(slots)) == [in_flight], "only its own uncommitted claim"
+
+
+def test_retire_request_is_per_producer_and_can_be_withdrawn(file_store):
+    from tasks.lag import request_retire, retire_requested, withdraw_retire
+
+    request_retire(file_store, "gen1")
+    assert retire_requested(file_store, "gen1") and not retire_requested(file_store, "gen0")
+    withdraw_retire(file_store, "gen1")
+    assert not retire_requested(file_store, "gen1")
+    withdraw_retire(file_store, "gen1")  # withdrawing twice is harmless (a scale-up of a new id)
+
+
+def test_reopening_a_run_clears_the_stop_request_and_the_done_mark(file_store):
+    from tasks.lag import TrainerState, publish_trainer_state, read_trainer_state, reopen_run, request_stop, stop_reason
+
+    publish_trainer_state(file_store, TrainerState(version=6, lost_groups=2, done=True))
+    request_stop(file_store, "generation gen0 failed")
+    reopen_run(file_store)
+    assert stop_reason(file_store) is None
+    assert read_trainer_state(file_store) == TrainerState(version=6, lost_groups=2, done=False)

@@ -1,0 +1,145 @@
+"""Deployed mode's parent: the children run as deployment runs on their work pools, watched.
+
+`supervise` starts one `training` run (pool `training`) and `prefect.generators` `generation`
+runs (pool `inference`) with `run_deployment(..., as_subflow=True)`, so the UI shows them under
+the pipeline run, and then watches them every `prefect.watch_seconds` until training is over:
+
+- a generation run that crashed or failed is started again with the same producer id (which
+  makes it regenerate the slots its earlier life claimed but never committed), at most
+  `prefect.generation_restarts` times over the whole run;
+- the number of generation runs follows the Prefect variable `tandem scale` sets
+  (`scale_variable`): a new run joins by reading LATEST and the admission state from storage,
+  and a removed one is asked to retire (tasks/lag.py `request_retire`), which lets it commit
+  every slot it claimed before it exits;
+- when training ends the generators stop by themselves (the trainer state says done); any
+  still running after `DRAIN_SECONDS` is cancelled. If training failed, or the parent itself
+  fails or is cancelled, every child still running is cancelled, so that no generation run
+  (and none of its engines) outlives the run.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from uuid import UUID
+
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.objects import FlowRun
+from prefect.deployments import run_deployment
+from prefect.logging import get_run_logger
+from prefect.states import Cancelling
+from prefect.variables import Variable
+
+from configs.schema import RunConfig
+from infra.storage import open_run_store
+from tasks.lag import request_retire, request_stop, withdraw_retire
+
+DRAIN_SECONDS = 60.0
+"""How long generation runs get to stop by themselves once training has ended."""
+
+
+class ChildRunFailed(RuntimeError):
+    """A child run of the pipeline ended in a state other than Completed."""
+
+
+def scale_variable(run_id: str) -> str:
+    """Name of the Prefect variable that asks run `run_id` for a number of generation runs."""
+    return re.sub(r"[^a-z0-9_-]", "-", f"tandem-generators-{run_id}".lower())
+
+
+class Supervisor:
+    """The child runs of one deployed pipeline run, and what the parent does about them."""
+
+    def __init__(self, config: RunConfig):
+        self.config = config
+        self.store = open_run_store(config.storage, config.run_id)
+        self.client = get_client(sync_client=True)
+        self.log = get_run_logger()
+        self.parameters = {"config": config.model_dump(mode="json")}
+        self.training: FlowRun | None = None
+        self.generators: dict[str, UUID] = {}
+        """Producer id -> flow run id of each generation run that should be generating."""
+        self.retiring: dict[str, UUID] = {}
+        """Producer id -> flow run id of each generation run asked to retire, until it is final."""
+        self.restarts = 0
+
+    def start(self, flow_name: str, **parameters) -> FlowRun:
+        name = f"{flow_name}/{self.config.prefect.deployment}"
+        run = run_deployment(name, parameters=self.parameters | parameters, as_subflow=True, timeout=0)
+        self.log.info("started %s run %s (%s)", flow_name, run.name, run.id)
+        return run
+
+    def start_generator(self, producer: str) -> None:
+        withdraw_retire(self.store, producer)
+        self.generators[producer] = self.start("generation", producer=producer).id
+
+    def run(self) -> None:
+        """Start the children and watch them until training is over; raise if it failed."""
+        self.training = self.start("training")
+        for i in range(self.config.prefect.generators):
+            self.start_generator(f"gen{i}")
+        try:
+            while not (state := self.state_of(self.training.id)).is_final():
+                self.restart_failed_generators()
+                self.scale_to(self.wanted_generators())
+                time.sleep(self.config.prefect.watch_seconds)
+            self.drain(DRAIN_SECONDS if state.is_completed() else 0.0)
+        except BaseException:
+            self.drain(0.0)
+            raise
+        if not state.is_completed():
+            raise ChildRunFailed(f"training run {self.training.name} ended {state.name}: {state.message or ''}".strip())
+
+    def state_of(self, run_id: UUID):
+        return self.client.read_flow_run(run_id).state
+
+    def restart_failed_generators(self) -> None:
+        for producer, run_id in list(self.generators.items()):
+            state = self.state_of(run_id)
+            if not state.is_final() or state.is_completed():
+                if state.is_completed():
+                    del self.generators[producer]
+                continue
+            if self.restarts >= self.config.prefect.generation_restarts:
+                del self.generators[producer]
+                self.log.error("generation %s ended %s; no restarts left", producer, state.name)
+                if not self.generators:
+                    request_stop(self.store, f"every generation run failed; the last, {producer}, ended {state.name}")
+                continue
+            self.restarts += 1
+            self.log.warning("generation %s ended %s: restarting it (%d of %d)", producer, state.name,
+                             self.restarts, self.config.prefect.generation_restarts)  # fmt: skip
+            self.start_generator(producer)
+
+    def wanted_generators(self) -> int:
+        """The count `tandem scale` asked for, or `prefect.generators` if it asked nothing."""
+        wanted = Variable.get(scale_variable(self.config.run_id), default=None)
+        return max(1, int(wanted)) if isinstance(wanted, int | str) and str(wanted).isdigit() else self.config.prefect.generators
+
+    def scale_to(self, wanted: int) -> None:
+        for producer, run_id in list(self.retiring.items()):
+            if self.state_of(run_id).is_final():
+                del self.retiring[producer]
+        while len(self.generators) < wanted:
+            taken = self.generators.keys() | self.retiring.keys()
+            producer = next(f"gen{i}" for i in range(len(taken) + 1) if f"gen{i}" not in taken)
+            self.log.info("scaling up to %d generation runs: starting %s", wanted, producer)
+            self.start_generator(producer)
+        while len(self.generators) > wanted:
+            producer = max(self.generators, key=lambda p: int(p.removeprefix("gen")))
+            self.log.info("scaling down to %d generation runs: retiring %s", wanted, producer)
+            request_retire(self.store, producer)
+            self.retiring[producer] = self.generators.pop(producer)
+
+    def drain(self, seconds: float) -> None:
+        """Give the generation runs `seconds` to stop by themselves, then cancel what still runs."""
+        runs = [*self.generators.values(), *self.retiring.values()]
+        if self.training is not None:
+            runs.append(self.training.id)
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline and not all(self.state_of(r).is_final() for r in runs):
+            time.sleep(1.0)
+        for run_id in runs:
+            if not self.state_of(run_id).is_final():
+                self.log.warning("cancelling child run %s", run_id)
+                self.client.set_flow_run_state(run_id, Cancelling(), force=True)

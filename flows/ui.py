@@ -1,0 +1,100 @@
+"""What a run shows in the Prefect UI, and the event it emits for automations.
+
+- `TrainingProgress`: a progress artifact the training flow moves after every step, and a table
+  artifact of the most recent steps' metrics, refreshed with every checkpoint (each refresh is
+  a new version of the same key, so the UI keeps the history without one artifact per step).
+- `publish_summary`: the markdown artifact the pipeline leaves at the end: the summary and where
+  the reward and timeline plots lie in the run directory.
+- `announce_snapshot`: the `tandem.weights.published` event, one per published snapshot. A
+  deployment trigger in prefect.yaml runs `evaluation` on the snapshots it marks for evaluation
+  (every `prefect.evaluate_every`-th), so scoring runs beside training instead of pausing it.
+
+Artifact keys are derived from the run id, lowercased, with every character Prefect does not
+allow in a key (only lowercase letters, digits and dashes) turned into a dash.
+"""
+
+from __future__ import annotations
+
+import re
+
+from prefect.artifacts import create_markdown_artifact, create_progress_artifact, create_table_artifact, update_progress_artifact
+from prefect.events import emit_event
+
+from configs.schema import RunConfig
+
+RECENT_STEPS = 10
+"""Rows of the metrics table artifact."""
+TABLE_COLUMNS = ("version", "reward_mean", "loss", "kl", "entropy", "grad_norm", "lag_max", "dropped_stale", "wait_seconds", "step_seconds")
+
+
+def artifact_key(run_id: str, kind: str) -> str:
+    """`tandem-{run}-{kind}` in the characters Prefect allows in an artifact key."""
+    return re.sub(r"[^a-z0-9-]", "-", f"tandem-{run_id}-{kind}".lower())
+
+
+class TrainingProgress:
+    """The training flow's artifacts: progress in percent of `training.steps`, recent metrics."""
+
+    def __init__(self, config: RunConfig, version: int):
+        self.config = config
+        self.artifact_id = create_progress_artifact(
+            progress=self._percent(version), key=artifact_key(config.run_id, "progress"),
+            description=f"run {config.run_id}: training steps done, in percent of {config.training.steps}",
+        )  # fmt: skip
+        self.recent: list[dict] = []
+
+    def step_done(self, record: dict) -> None:
+        self.recent = [*self.recent, {k: record.get(k) for k in TABLE_COLUMNS}][-RECENT_STEPS:]
+        update_progress_artifact(self.artifact_id, progress=self._percent(record["version"]))
+        if record["version"] % self.config.training.checkpoint_every == 0 or record["version"] >= self.config.training.steps:
+            self.publish_table()
+
+    def publish_table(self) -> None:
+        if self.recent:
+            create_table_artifact(self.recent, key=artifact_key(self.config.run_id, "metrics"),
+                                  description=f"run {self.config.run_id}: the last {len(self.recent)} training steps")  # fmt: skip
+
+    def _percent(self, version: int) -> float:
+        return min(100.0, 100.0 * version / self.config.training.steps)
+
+
+def publish_summary(summary: dict, run_url: str, run_id: str) -> None:
+    """The end-of-run markdown artifact: learning, accounting, and links to the plots."""
+    counts = ("trained", "dropped_stale", "quarantined", "duplicate", "pending")
+    identity = " + ".join(f"{summary[k]} {k}" for k in counts)
+    markdown = "\n".join([
+        f"# tandem run `{run_id}`", "",
+        "| | |", "|---|---|",
+        f"| held-out eval score | {summary['eval_before']:.3f} -> {summary['eval_after']:.3f} |",
+        f"| held-out solved | {summary['solved_before']:.1%} -> {summary['solved_after']:.1%} |",
+        f"| batch reward (first / last 10% of steps) | {summary['reward_start']:.3f} -> {summary['reward_end']:.3f} |",
+        f"| train steps | {summary['steps']} |",
+        f"| trainer idle fraction | {summary['trainer_idle_fraction']:.2f} |",
+        f"| samples | {summary['generated']} generated = {identity} ({'holds' if summary['identity_holds'] else 'BROKEN'}) |",
+        f"| max trained lag | {summary['max_trained_lag']} |", "",
+        f"Run directory: `{run_url}`", "",
+        f"- reward curve: `{run_url}/plots/reward.png`",
+        f"- generator and trainer timeline: `{run_url}/plots/timeline.png`",
+        f"- summary: `{run_url}/summary.json`",
+    ])  # fmt: skip
+    create_markdown_artifact(markdown, key=artifact_key(run_id, "summary"), description=f"run {run_id}: summary")
+
+
+def due_for_evaluation(config: RunConfig, version: int) -> bool:
+    """Whether snapshot `version` is one the `evaluation` trigger should score."""
+    every = config.prefect.evaluate_every
+    return every > 0 and version % every == 0
+
+
+def announce_snapshot(config: RunConfig, version: int, run_url: str) -> None:
+    """Emit `tandem.weights.published` for snapshot `version`, labelled with whether it is due
+    for evaluation (the trigger matches on that label).
+
+    The payload carries the run's config (without credentials: config dumps mask secrets, and a
+    deployed config has none), so the evaluation it triggers needs nothing but the event."""
+    evaluate = due_for_evaluation(config, version)
+    emit_event(
+        event="tandem.weights.published",
+        resource={"prefect.resource.id": f"tandem.run.{config.run_id}", "tandem.evaluate": str(evaluate).lower()},
+        payload={"run_id": config.run_id, "version": version, "run_url": run_url, "config": config.model_dump(mode="json")},
+    )  # fmt: skip

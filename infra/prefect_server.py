@@ -1,0 +1,112 @@
+"""A real Prefect server and process workers on loopback, for tests and benchmarks.
+
+Deployed mode is tested the way users run it: `prefect server start` with a PREFECT_HOME of its
+own (so its SQLite database and settings touch nothing of the user's), one `prefect worker
+start --pool NAME` per work pool, and everything talking over HTTP. Each process is started in a
+session of its own and stopped by its process group id, never by name.
+
+Two gotchas handled here (../shared/FACTS.md): a worker started from a non-interactive shell
+inherits SIGINT ignored and then ignores SIGTERM too, so SIGINT is reset to the default in the
+child; and workers poll every 15 s by default, so `worker_env` sets a 1 s poll for tests.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from infra.ports import free_port_block
+
+
+def prefect_binary() -> str:
+    beside_python = Path(sys.executable).with_name("prefect")
+    return str(beside_python) if beside_python.exists() else "prefect"
+
+
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def stop_process_group(process: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """SIGTERM the group `process` leads, then SIGKILL it if it is still there after `grace_s`."""
+    if process.poll() is None:
+        for signum, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(process.pid, signum)
+            except ProcessLookupError:
+                break
+            try:
+                process.wait(wait)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+    try:  # whatever else the group started (a flow run's engines) goes with it
+        os.killpg(process.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+@dataclass
+class PrefectServer:
+    """`prefect server start` on 127.0.0.1 with its own PREFECT_HOME (database, logs)."""
+
+    home: Path
+    port: int = 0
+    process: subprocess.Popen | None = field(default=None, repr=False)
+
+    @property
+    def api_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/api"
+
+    @property
+    def ui_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def env(self) -> dict[str, str]:
+        """Environment for any process that should talk to this server."""
+        return {"PREFECT_HOME": str(self.home), "PREFECT_API_URL": self.api_url,
+                "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}  # fmt: skip
+
+    def start(self, timeout_s: float = 90.0) -> PrefectServer:
+        self.home.mkdir(parents=True, exist_ok=True)
+        self.port = self.port or free_port_block(1)
+        env = os.environ | self.env()
+        env.pop("PREFECT_API_URL")  # the server itself must not look for another one
+        log = open(self.home / "server.log", "ab")
+        self.process = subprocess.Popen(
+            [prefect_binary(), "server", "start", "--host", "127.0.0.1", "--port", str(self.port)],
+            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True, preexec_fn=_default_sigint,
+        )  # fmt: skip
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"prefect server exited with {self.process.returncode}; see {self.home / 'server.log'}")
+            try:
+                if httpx.get(f"{self.api_url}/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        self.stop()
+        raise TimeoutError(f"prefect server on port {self.port} not healthy after {timeout_s:.0f} s")
+
+    def stop(self) -> None:
+        if self.process is not None:
+            stop_process_group(self.process)
+            self.process = None
+
+
+def start_worker(pool: str, env: dict[str, str], log_path: Path, query_seconds: float = 1.0) -> subprocess.Popen:
+    """`prefect worker start --pool POOL` in a session of its own, polling every `query_seconds`."""
+    env = os.environ | env | {"PREFECT_WORKER_QUERY_SECONDS": str(query_seconds), "PREFECT_WORKER_PREFETCH_SECONDS": "5"}
+    return subprocess.Popen(
+        [prefect_binary(), "worker", "start", "--pool", pool, "--type", "process"],
+        stdout=open(log_path, "ab"), stderr=subprocess.STDOUT, env=env, start_new_session=True, preexec_fn=_default_sigint,
+    )  # fmt: skip

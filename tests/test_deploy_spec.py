@@ -1,0 +1,53 @@
+"""prefect.yaml, checked without a server: every deployment loads, runs on the right pool, and
+its parameters, trigger and schedule fit the flow it names."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from prefect.flows import load_flow_from_entrypoint
+from prefect.utilities.callables import parameter_schema
+from prefect.utilities.schema_tools import validate
+
+from flows.supervisor import scale_variable
+from flows.ui import artifact_key
+from infra.deployments import work_pools_of
+
+ROOT = Path(__file__).resolve().parents[1]
+SPEC = yaml.safe_load((ROOT / "prefect.yaml").read_text())
+DEPLOYMENTS = {d["entrypoint"].rsplit(":", 1)[1]: d for d in SPEC["deployments"]}
+
+
+def test_every_flow_has_a_deployment_on_its_pool():
+    pools = {name: d["work_pool"]["name"] for name, d in DEPLOYMENTS.items()}
+    assert pools == {"pipeline": "training", "training": "training", "generation": "inference",
+                     "evaluation": "inference", "retrain": "training"}  # fmt: skip
+    assert work_pools_of(SPEC) == ["training", "inference"]
+    assert {d["name"] for d in SPEC["deployments"]} == {"tandem"}, "children are found as FLOW/tandem"
+
+
+@pytest.mark.parametrize("name", sorted(DEPLOYMENTS))
+def test_deployment_parameters_fit_the_flow(name):
+    deployment = DEPLOYMENTS[name]
+    flow = load_flow_from_entrypoint(str(ROOT / deployment["entrypoint"]))
+    assert flow.name == name
+    schema = parameter_schema(flow.fn).model_dump_for_openapi()
+    validate(deployment.get("parameters") or {}, schema, raise_on_error=True, ignore_required=True)
+
+
+def test_retrain_schedule_is_present_but_off():
+    assert DEPLOYMENTS["retrain"]["schedules"] == [{"cron": "0 3 * * *", "timezone": "UTC", "active": False}]
+
+
+def test_evaluation_trigger_fills_the_flow_parameters_from_the_event():
+    (trigger,) = DEPLOYMENTS["evaluation"]["triggers"]
+    assert trigger["expect"] == ["tandem.weights.published"] and trigger["match"]["tandem.evaluate"] == "true"
+    flow = load_flow_from_entrypoint(str(ROOT / DEPLOYMENTS["evaluation"]["entrypoint"]))
+    assert set(trigger["parameters"]) == set(parameter_schema(flow.fn).properties)
+
+
+def test_names_derived_from_run_ids_are_what_prefect_allows():
+    assert artifact_key("My_Run.v2", "progress") == "tandem-my-run-v2-progress"
+    assert scale_variable("My_Run.v2") == "tandem-generators-my_run-v2"

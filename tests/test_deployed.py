@@ -1,0 +1,227 @@
+"""Deployed mode against real servers: a Prefect server, one process worker per pool, SeaweedFS.
+
+The module starts `prefect server start` with its own PREFECT_HOME, runs `tandem deploy`, starts
+workers for `training` and `inference`, and drives runs the way a user does: `prefect deployment
+run 'pipeline/tandem' --param ...`, `tandem scale`, `prefect deployment run 'retrain/tandem'`.
+It checks the outcome through the Prefect API and the run directory in S3.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, FlowRunFilter, FlowRunFilterParentFlowRunId
+from prefect.settings import PREFECT_API_URL, temporary_settings
+
+from configs import TINY_CONFIG, load_config
+from flows.ui import artifact_key
+from infra.prefect_server import PrefectServer, start_worker, stop_process_group
+from infra.storage import open_run_store
+from tasks.metrics import read_metrics
+from tasks.shards import list_shards, parse_shard_key
+from tasks.snapshots import snapshot_versions
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = [pytest.mark.deployed, pytest.mark.s3, pytest.mark.slow, pytest.mark.timeout(900)]
+S3_KEY, S3_SECRET = "deployed-test-key", "deployed-test-secret"
+
+
+class Deployment:
+    """The servers and workers of this module, and helpers to drive runs through them."""
+
+    def __init__(self, server: PrefectServer, env: dict[str, str], bucket: str, logs: Path):
+        self.server, self.env, self.bucket, self.logs = server, env, bucket, logs
+
+    def cli(self, *args: str, timeout: float = 300) -> str:
+        done = subprocess.run(list(args), cwd=ROOT, env=os.environ | self.env, capture_output=True, text=True, timeout=timeout)
+        assert done.returncode == 0, f"{args} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+        return done.stdout + done.stderr
+
+    def config(self, run_id: str, *overrides: str) -> dict:
+        base = [
+            f"run_id={run_id}", f"storage.root=s3://{self.bucket}/runs", "prefect.mode=deployed", "prefect.watch_seconds=1",
+            "training.steps=6", "training.warmup_steps=5", "training.prompts_per_step=4", "training.checkpoint_every=2",
+            "generation.prompts_per_chunk=2", "generation.samples_per_prompt=4", "env.eval_prompts=8",
+            "lag.max_lag=1", "dask.n_workers=1", "prefect.evaluate_every=3",
+        ]  # fmt: skip
+        return load_config(TINY_CONFIG, [*base, *overrides]).model_dump(mode="json")
+
+    def start_pipeline(self, config: dict) -> str:
+        """`prefect deployment run 'pipeline/tandem'`; returns the flow run id it printed."""
+        out = self.cli(_bin("prefect"), "deployment", "run", "pipeline/tandem", "--param", f"config={json.dumps(config)}")
+        return _flow_run_id(out)
+
+    def client(self):
+        return get_client(sync_client=True)
+
+    def wait_final(self, flow_run_id: str, timeout: float = 400):
+        deadline = time.monotonic() + timeout
+        with self.client() as client:
+            while time.monotonic() < deadline:
+                run = client.read_flow_run(uuid.UUID(flow_run_id))
+                if run.state.is_final():
+                    return run
+                time.sleep(1)
+        raise TimeoutError(f"flow run {flow_run_id} not final after {timeout} s; logs in {self.logs}")
+
+    def children(self, flow_run_id: str) -> list:
+        with self.client() as client:
+            flow_names = {f.id: f.name for f in client.read_flows()}
+            runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[uuid.UUID(flow_run_id)])))
+        return [(flow_names[r.flow_id], r) for r in runs]
+
+    def store(self, run_id: str):
+        from configs.schema import StorageConfig
+
+        storage = StorageConfig(root=f"s3://{self.bucket}/runs", endpoint_url=self.env["AWS_ENDPOINT_URL"], key=S3_KEY, secret=S3_SECRET)
+        return open_run_store(storage, run_id)
+
+
+def _bin(name: str) -> str:
+    """A command installed beside this Python (prefect, tandem)."""
+    return str(Path(sys.executable).with_name(name))
+
+
+def _flow_run_id(cli_output: str) -> str:
+    for line in cli_output.splitlines():
+        if "UUID:" in line:
+            return line.split("UUID:")[1].strip()
+    raise AssertionError(f"no flow run UUID in:\n{cli_output}")
+
+
+@pytest.fixture(scope="module")
+def deployment(seaweed, tmp_path_factory):
+    home = tmp_path_factory.mktemp("prefect-home")
+    server = PrefectServer(home).start()
+    env = server.env() | {
+        "AWS_ACCESS_KEY_ID": S3_KEY, "AWS_SECRET_ACCESS_KEY": S3_SECRET, "AWS_ENDPOINT_URL": seaweed.endpoint_url,
+        "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    }  # fmt: skip
+    workers = []
+    try:
+        with temporary_settings(updates={PREFECT_API_URL: server.api_url}):
+            driver = Deployment(server, env, f"deployed-{uuid.uuid4().hex[:8]}", home)
+            driver.cli(_bin("tandem"), "deploy")
+            workers = [start_worker(pool, env, home / f"worker-{pool}.log") for pool in ("training", "inference")]
+            yield driver
+    finally:
+        for worker in workers:
+            stop_process_group(worker)
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def finished(deployment):
+    """One whole deployed run: started from the CLI, finished, with its flow run id."""
+    run_id = "e2e"
+    flow_run_id = deployment.start_pipeline(deployment.config(run_id))
+    parent = deployment.wait_final(flow_run_id)
+    return run_id, parent
+
+
+def test_deployed_run_completes_on_two_pools(deployment, finished):
+    run_id, parent = finished
+    assert parent.state.is_completed(), parent.state.message
+    children = deployment.children(str(parent.id))
+    pools = {name: {r.work_pool_name for _, r in children if _ == name} for name, _ in children}
+    assert pools["training"] == {"training"} and pools["generation"] == {"inference"}
+    assert all(r.state.is_completed() for _, r in children), [(n, r.state.name) for n, r in children]
+    store = deployment.store(run_id)
+    assert len(list_shards(store)) >= 6 * 4
+    assert snapshot_versions(store)[-1] == 6
+    with deployment.client() as client:
+        progress = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[artifact_key(run_id, "progress")])))
+        summary = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[artifact_key(run_id, "summary")])))
+    assert progress and max(a.data for a in progress) == 100
+    assert summary and "(holds)" in summary[0].data and "plots/reward.png" in summary[0].data
+    report = json.loads(store.read_bytes("summary.json"))
+    assert report["identity_holds"] and report["steps"] == 6 and report["max_trained_lag"] <= 1
+
+
+def test_published_snapshots_trigger_evaluation(deployment, finished):
+    run_id, _ = finished
+    store = deployment.store(run_id)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        versions = {r["version"] for r in read_metrics(store, "evaluation") if r["event"] == "evaluation"}
+        if {3, 6} <= versions:
+            break
+        time.sleep(2)
+    assert {3, 6} <= versions, f"triggered evaluations seen: {sorted(versions)}"
+
+
+def test_retrain_continues_the_run(deployment, finished):
+    run_id, _ = finished
+    with deployment.client() as client:
+        retrain = client.read_deployment_by_name("retrain/tandem")
+    assert [(s.schedule.cron, s.active) for s in retrain.schedules] == [("0 3 * * *", False)]
+    out = deployment.cli(_bin("prefect"), "deployment", "run", "retrain/tandem", "--param", f"run_id={run_id}",
+                         "--param", "steps=2", "--param", f"storage_root=s3://{deployment.bucket}/runs")  # fmt: skip
+    run = deployment.wait_final(_flow_run_id(out))
+    assert run.state.is_completed(), run.state.message
+    store = deployment.store(run_id)
+    steps = [r["version"] for r in read_metrics(store, "trainer") if r["event"] == "train_step"]
+    assert sorted(set(steps)) == list(range(1, 9)), "versions continue from 6 to 8"
+    assert snapshot_versions(store)[-1] == 8
+
+
+def test_scale_up_and_down_mid_run(deployment):
+    run_id = "scaled"
+    flow_run_id = deployment.start_pipeline(deployment.config(run_id, "training.steps=24"))
+    store = deployment.store(run_id)
+    _wait(lambda: _trainer_version(store) >= 2, 300, "training to reach v2")
+    deployment.cli(_bin("tandem"), "scale", run_id, "--generators", "2")
+    _wait(lambda: any(parse_shard_key(k).producer == "gen1" for k in list_shards(store)), 300, "gen1 to commit a shard")
+    deployment.cli(_bin("tandem"), "scale", run_id, "--generators", "1")
+    parent = deployment.wait_final(flow_run_id, timeout=600)
+    assert parent.state.is_completed(), parent.state.message
+    generations = [r for name, r in deployment.children(flow_run_id) if name == "generation"]
+    assert len(generations) == 2 and all(r.state.is_completed() for r in generations)
+    assert {parse_shard_key(k).producer for k in list_shards(store)} == {"gen0", "gen1"}
+    report = json.loads(store.read_bytes("summary.json"))
+    assert report["identity_holds"] and report["max_trained_lag"] <= 1 and report["steps"] == 24
+
+
+def test_killed_generation_run_is_restarted(deployment):
+    run_id = "killed"
+    flow_run_id = deployment.start_pipeline(deployment.config(run_id, "training.steps=16"))
+    store = deployment.store(run_id)
+    _wait(lambda: _trainer_version(store) >= 2, 300, "training to reach v2")
+    started = [r for r in read_metrics(store, "generator-gen0") if r["event"] == "engines_started"]
+    victim = started[-1]["pid"]
+    os.kill(victim, signal.SIGKILL)
+    parent = deployment.wait_final(flow_run_id, timeout=600)
+    assert parent.state.is_completed(), parent.state.message
+    generations = [r for name, r in deployment.children(flow_run_id) if name == "generation"]
+    assert sorted(r.state.name for r in generations) == ["Completed", "Crashed"]
+    report = json.loads(store.read_bytes("summary.json"))
+    assert report["identity_holds"] and report["steps"] == 16 and report["max_trained_lag"] <= 1
+    ledger = json.loads(store.read_bytes("lag/ledger.json"))
+    assert len(ledger["trained_groups"]) == len(set(ledger["trained_groups"])) == 16 * 4
+    for engine in started[-1]["engines"]:
+        _wait(lambda: not Path(f"/proc/{engine['pid']}").exists(), 30, f"engine {engine['pid']} of the killed run to exit")
+
+
+def _trainer_version(store) -> int:
+    try:
+        return json.loads(store.read_bytes("lag/trainer.json"))["version"]
+    except FileNotFoundError:
+        return 0
+
+
+def _wait(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.5)
+    raise TimeoutError(f"waited {timeout:.0f} s for {what}")
