@@ -77,8 +77,8 @@ class PrefectServer:
     def start(self, timeout_s: float = 90.0) -> PrefectServer:
         self.home.mkdir(parents=True, exist_ok=True)
         self.port = self.port or free_port_block(1)
-        env = os.environ | self.env()
-        env.pop("PREFECT_API_URL")  # the server itself must not look for another one
+        # The UI asks the API at PREFECT_UI_API_URL, which otherwise defaults to port 4200.
+        env = os.environ | self.env() | {"PREFECT_UI_API_URL": self.api_url}
         log = open(self.home / "server.log", "ab")
         self.process = subprocess.Popen(
             [prefect_binary(), "server", "start", "--host", "127.0.0.1", "--port", str(self.port)],

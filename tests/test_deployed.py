@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -225,3 +226,56 @@ def _wait(predicate, timeout: float, what: str) -> None:
             return
         time.sleep(0.5)
     raise TimeoutError(f"waited {timeout:.0f} s for {what}")
+
+
+CHROMIUM_FLAGS = [
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+    "--disable-component-update", "--disable-sync", "--hide-scrollbars", "--window-size=1500,1000",
+]  # fmt: skip
+TEST_ARTIFACTS = Path(os.environ.get("TANDEM_TEST_ARTIFACTS", ROOT / "test-artifacts"))
+
+
+@pytest.fixture
+def browser(tmp_path):
+    """Headless Debian Chromium driven through Debian's chromedriver (.ci/run installs both)."""
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    binary, driver = shutil.which("chromium"), shutil.which("chromedriver")
+    assert binary and driver, "the browser test needs Debian's chromium and chromium-driver (apt-get install chromium chromium-driver)"
+    options = webdriver.ChromeOptions()
+    for flag in [*CHROMIUM_FLAGS, f"--user-data-dir={tmp_path / 'profile'}"]:
+        options.add_argument(flag)
+    options.binary_location = binary
+    chrome = webdriver.Chrome(options=options, service=Service(driver))
+    yield chrome
+    chrome.quit()
+
+
+@pytest.mark.browser
+def test_prefect_ui_shows_the_run_its_children_and_progress(deployment, finished, browser):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    run_id, parent = finished
+    children = {name: r for name, r in deployment.children(str(parent.id)) if name in ("training", "generation")}
+    assert set(children) == {"training", "generation"}
+    wait = WebDriverWait(browser, 60)
+
+    def page_text(driver) -> str:
+        return driver.find_element(By.TAG_NAME, "body").text
+
+    browser.get(f"{deployment.server.ui_url}/runs/flow-run/{parent.id}")
+    wait.until(lambda d: parent.name in page_text(d) and "Subflow Runs" in page_text(d))
+    innermost = "//*[normalize-space(.)='Subflow Runs' and not(*[normalize-space(.)='Subflow Runs'])]"
+    wait.until(lambda d: d.find_elements(By.XPATH, innermost))[0].click()
+    wait.until(lambda d: all(f"{name}\n{child.name}" in page_text(d) for name, child in children.items()))
+    TEST_ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    browser.save_screenshot(str(TEST_ARTIFACTS / "prefect-ui-pipeline-run.png"))
+
+    browser.get(f"{deployment.server.ui_url}/runs/flow-run/{children['training'].id}")
+    wait.until(lambda d: children["training"].name in page_text(d))
+    tab = "//*[normalize-space(.)='Artifacts' and not(*[normalize-space(.)='Artifacts'])]"
+    wait.until(lambda d: d.find_elements(By.XPATH, tab))[0].click()
+    wait.until(lambda d: artifact_key(run_id, "progress") in page_text(d) and artifact_key(run_id, "metrics") in page_text(d))
+    browser.save_screenshot(str(TEST_ARTIFACTS / "prefect-ui-training-artifacts.png"))
