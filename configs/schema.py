@@ -199,6 +199,27 @@ class DaskConfig(Section):
     """Threads per LocalCluster worker (episodes mostly wait on engines, so a few per core)."""
 
 
+class AutoscaleConfig(Section):
+    """Deployed mode: the parent sizes the generation side from what the run measures."""
+
+    min: int = Field(1, ge=1, le=256)
+    """Fewest generation runs."""
+    max: int = Field(4, ge=1, le=256)
+    """Most generation runs."""
+    target_trainer_idle: float = Field(0.2, gt=0, lt=1)
+    """Add a generation run while the trainer's idle fraction (last 10 steps) stays above this."""
+    max_generator_wait: float = Field(0.3, gt=0, lt=1)
+    """Retire a generation run while the generators wait on the lag bound more than this fraction."""
+    cooldown_seconds: float = Field(30.0, ge=0, le=86400)
+    """Least time between two changes, so that the last one shows in the measurements first."""
+
+    @model_validator(mode="after")
+    def _min_below_max(self) -> AutoscaleConfig:
+        if self.min > self.max:
+            raise ValueError(f"autoscale.min ({self.min}) must be at most autoscale.max ({self.max})")
+        return self
+
+
 class PrefectConfig(Section):
     """How the flows run: in one process (local) or as deployments on two work pools."""
 
@@ -214,6 +235,8 @@ class PrefectConfig(Section):
     """Deployed mode: how often the parent looks at its children and the scale request."""
     evaluate_every: int = Field(0, ge=0, le=1_000_000)
     """Mark every this-many-th published snapshot for evaluation (the `evaluation` trigger); 0: none."""
+    autoscale: AutoscaleConfig | None = None
+    """Deployed mode: size the generation side between min and max automatically; null: fixed."""
 
 
 class RunConfig(Section):

@@ -39,6 +39,10 @@ POLL_SECONDS = 0.2
 storage read each, so not much more often than the trainer steps."""
 
 
+LOAD_REPORT_SECONDS = 10.0
+"""How often a generator records how much of its time it could start no work."""
+
+
 @task(cache_policy=NONE, retries=2, retry_delay_seconds=[1, 5])
 def generate_chunk(specs: list[GroupSpec]) -> list[GroupResult]:
     """Generate and commit a chunk of groups, fanned out on Dask; a retry skips committed groups.
@@ -111,6 +115,7 @@ def generation(config: RunConfig, producer: str = "gen0") -> dict:
         in_flight = []
         busy_since, idle_seconds = time.monotonic(), 0.0
         retiring = _RetireCheck(store, producer)
+        load = _LoadReport(metrics)
         while not read_trainer_state(store).done and not (retiring.due() and not generator.orphans):
             if fleet.restart_dead():
                 totals["engine_restarts"] = fleet.restarts
@@ -131,6 +136,7 @@ def generation(config: RunConfig, producer: str = "gen0") -> dict:
                 idle_seconds += time.monotonic() - idle_started
             else:
                 _wait_for_first(in_flight, POLL_SECONDS)
+            load.maybe_log(idle_seconds, len(in_flight))
         for future in in_flight:
             _record(metrics, totals, future.result(), fleet.version)
     totals.pop("keys", None)
@@ -138,6 +144,22 @@ def generation(config: RunConfig, producer: str = "gen0") -> dict:
     metrics.log("finished", busy_seconds=time.monotonic() - busy_since - idle_seconds, idle_seconds=idle_seconds, **totals)
     metrics.flush()
     return totals
+
+
+class _LoadReport:
+    """A `load` record every `LOAD_REPORT_SECONDS`: the share of that window in which this
+    generator had nothing it was allowed to start (waiting on the lag bound, or for a snapshot).
+    The deployed parent's autoscaler reads it (tasks/autoscale.py)."""
+
+    def __init__(self, metrics: MetricsLog):
+        self.metrics, self.since, self.idle_at_start = metrics, time.monotonic(), 0.0
+
+    def maybe_log(self, idle_seconds: float, in_flight: int) -> None:
+        window = time.monotonic() - self.since
+        if window >= LOAD_REPORT_SECONDS:
+            share = (idle_seconds - self.idle_at_start) / window
+            self.metrics.log("load", idle_fraction=share, window_seconds=window, chunks_in_flight=in_flight)
+            self.since, self.idle_at_start = time.monotonic(), idle_seconds
 
 
 class _RetireCheck:

@@ -8,13 +8,14 @@ the pipeline run, and then watches them every `prefect.watch_seconds` until trai
   makes it regenerate the slots its earlier life claimed but never committed), at most
   `prefect.generation_restarts` times over the whole run;
 - the number of generation runs follows the Prefect variable `tandem scale` sets
-  (`scale_variable`): a new run joins by reading LATEST and the admission state from storage,
+  (`scale_variable`) and, with `prefect.autoscale`, the run's own measurements
+  (tasks/autoscale.py): a new run joins by reading LATEST and the admission state from storage,
   and a removed one is asked to retire (tasks/lag.py `request_retire`), which lets it commit
   every slot it claimed before it exits;
 - when training ends the generators stop by themselves (the trainer state says done); any
   still running after `DRAIN_SECONDS` is cancelled. If training failed, or the parent itself
-  fails or is cancelled, every child still running is cancelled, so that no generation run
-  (and none of its engines) outlives the run.
+  fails or is cancelled, every child still running is cancelled, and the parent waits until
+  they are, so that no generation run (and none of its engines) outlives the run.
 """
 
 from __future__ import annotations
@@ -32,14 +33,25 @@ from prefect.variables import Variable
 
 from configs.schema import RunConfig
 from infra.storage import open_run_store
+from tasks.autoscale import autoscale_target, generator_wait_fraction, trainer_idle_fraction
 from tasks.lag import request_retire, request_stop, withdraw_retire
+from tasks.metrics import read_metrics
 
 DRAIN_SECONDS = 60.0
 """How long generation runs get to stop by themselves once training has ended."""
 
 
+CANCEL_WAIT_SECONDS = 60.0
+"""How long the parent waits for the children it cancelled to be stopped (their worker stops
+the whole process group, engines included) before it reports them and ends anyway."""
+
+
 class ChildRunFailed(RuntimeError):
     """A child run of the pipeline ended in a state other than Completed."""
+
+
+def _share(value: float | None) -> str:
+    return "unknown" if value is None else f"{value:.0%}"
 
 
 def scale_variable(run_id: str) -> str:
@@ -62,6 +74,14 @@ class Supervisor:
         self.retiring: dict[str, UUID] = {}
         """Producer id -> flow run id of each generation run asked to retire, until it is final."""
         self.restarts = 0
+        self.gave_up = False
+        """Set once a generation run failed with no restarts left: from then on the parent starts
+        no generation run, so that a scale request or the autoscaler cannot undo the bound."""
+        policy = config.prefect.autoscale
+        self.target = min(max(config.prefect.generators, policy.min), policy.max) if policy else config.prefect.generators
+        """How many generation runs the parent is steering towards."""
+        self.last_request: int | None = None
+        self.changed_at = time.monotonic()
 
     def start(self, flow_name: str, **parameters) -> FlowRun:
         name = f"{flow_name}/{self.config.prefect.deployment}"
@@ -76,7 +96,7 @@ class Supervisor:
     def run(self) -> None:
         """Start the children and watch them until training is over; raise if it failed."""
         self.training = self.start("training")
-        for i in range(self.config.prefect.generators):
+        for i in range(self.target):
             self.start_generator(f"gen{i}")
         try:
             while not (state := self.state_of(self.training.id)).is_final():
@@ -102,7 +122,8 @@ class Supervisor:
                 continue
             if self.restarts >= self.config.prefect.generation_restarts:
                 del self.generators[producer]
-                self.log.error("generation %s ended %s; no restarts left", producer, state.name)
+                self.gave_up = True
+                self.log.error("generation %s ended %s; no restarts left, and no generation runs will be added", producer, state.name)
                 if not self.generators:
                     request_stop(self.store, f"every generation run failed; the last, {producer}, ended {state.name}")
                 continue
@@ -112,15 +133,32 @@ class Supervisor:
             self.start_generator(producer)
 
     def wanted_generators(self) -> int:
-        """The count `tandem scale` asked for, or `prefect.generators` if it asked nothing."""
-        wanted = Variable.get(scale_variable(self.config.run_id), default=None)
-        return max(1, int(wanted)) if isinstance(wanted, int | str) and str(wanted).isdigit() else self.config.prefect.generators
+        """`prefect.generators` at first; then each new count `tandem scale` asks for; and with
+        `prefect.autoscale`, one more or one fewer when the run's measurements say so."""
+        requested = Variable.get(scale_variable(self.config.run_id), default=None)
+        if isinstance(requested, int | str) and str(requested).isdigit() and int(requested) != self.last_request:
+            self.last_request = int(requested)
+            self.set_target(max(1, int(requested)), "tandem scale asked for it")
+        policy = self.config.prefect.autoscale
+        if policy is not None and time.monotonic() - self.changed_at >= policy.cooldown_seconds:
+            trainer_idle = trainer_idle_fraction(read_metrics(self.store, "trainer"))
+            since = time.time() - (time.monotonic() - self.changed_at)
+            waits = generator_wait_fraction([read_metrics(self.store, f"generator-{p}") for p in self.generators], since)
+            target = autoscale_target(self.target, trainer_idle, waits, policy)
+            if target != self.target:
+                self.set_target(target, f"autoscale: trainer idle {_share(trainer_idle)}, generators waiting {_share(waits)}")
+        return self.target
+
+    def set_target(self, target: int, reason: str) -> None:
+        if target != self.target:
+            self.log.info("generation runs: %d -> %d (%s)", self.target, target, reason)
+        self.target, self.changed_at = target, time.monotonic()
 
     def scale_to(self, wanted: int) -> None:
         for producer, run_id in list(self.retiring.items()):
             if self.state_of(run_id).is_final():
                 del self.retiring[producer]
-        while len(self.generators) < wanted:
+        while len(self.generators) < wanted and not self.gave_up:
             taken = self.generators.keys() | self.retiring.keys()
             producer = next(f"gen{i}" for i in range(len(taken) + 1) if f"gen{i}" not in taken)
             self.log.info("scaling up to %d generation runs: starting %s", wanted, producer)
@@ -139,7 +177,13 @@ class Supervisor:
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline and not all(self.state_of(r).is_final() for r in runs):
             time.sleep(1.0)
-        for run_id in runs:
-            if not self.state_of(run_id).is_final():
-                self.log.warning("cancelling child run %s", run_id)
-                self.client.set_flow_run_state(run_id, Cancelling(), force=True)
+        cancelled = [run_id for run_id in runs if not self.state_of(run_id).is_final()]
+        for run_id in cancelled:
+            self.log.warning("cancelling child run %s", run_id)
+            self.client.set_flow_run_state(run_id, Cancelling(), force=True)
+        deadline = time.monotonic() + CANCEL_WAIT_SECONDS
+        while cancelled and time.monotonic() < deadline:
+            cancelled = [run_id for run_id in cancelled if not self.state_of(run_id).is_final()]
+            time.sleep(1.0)
+        if cancelled:
+            self.log.error("child runs still not cancelled after %.0f s: %s", CANCEL_WAIT_SECONDS, cancelled)

@@ -212,6 +212,37 @@ def test_killed_generation_run_is_restarted(deployment):
         _wait(lambda: not Path(f"/proc/{engine['pid']}").exists(), 30, f"engine {engine['pid']} of the killed run to exit")
 
 
+def test_autoscale_adds_a_generator_while_the_trainer_waits(deployment):
+    run_id = "autoscaled"
+    autoscale = ["prefect.autoscale.min=1", "prefect.autoscale.max=2", "prefect.autoscale.target_trainer_idle=0.01",
+                 "prefect.autoscale.max_generator_wait=0.99", "prefect.autoscale.cooldown_seconds=5"]  # fmt: skip
+    flow_run_id = deployment.start_pipeline(deployment.config(run_id, "training.steps=20", *autoscale))
+    parent = deployment.wait_final(flow_run_id, timeout=600)
+    assert parent.state.is_completed(), parent.state.message
+    generations = [r for name, r in deployment.children(flow_run_id) if name == "generation"]
+    assert len(generations) == 2, "a trainer idle more than 1% of the time gets a second generator, and no third (max 2)"
+    store = deployment.store(run_id)
+    assert {parse_shard_key(k).producer for k in list_shards(store)} == {"gen0", "gen1"}
+    assert json.loads(store.read_bytes("summary.json"))["identity_holds"]
+
+
+def test_generation_that_fails_for_good_fails_the_run_and_leaves_nothing_running(deployment):
+    run_id = "broken"
+    broken = ["env.entrypoint=tests.test_recovery:BrokenTrainingEnv", "env.kwargs={}", "env.max_turns=1", "prefect.generation_restarts=1"]
+    flow_run_id = deployment.start_pipeline(deployment.config(run_id, *broken))
+    parent = deployment.wait_final(flow_run_id, timeout=600)
+    assert parent.state.is_failed()
+    assert "every generation run failed" in parent.state.message, parent.state.message
+    children = deployment.children(flow_run_id)
+    assert all(r.state.is_final() for _, r in children), [(n, r.state.name) for n, r in children]
+    assert len([r for name, r in children if name == "generation"]) == 2, "one start and one restart"
+    store = deployment.store(run_id)
+    engines = [e["pid"] for r in read_metrics(store, "generator-gen0") if r["event"] == "engines_started" for e in r["engines"]]
+    assert engines
+    for pid in engines:
+        _wait(lambda: not Path(f"/proc/{pid}").exists(), 30, f"engine {pid} to exit")
+
+
 def _trainer_version(store) -> int:
     try:
         return json.loads(store.read_bytes("lag/trainer.json"))["version"]

@@ -254,3 +254,22 @@ def test_storage_up_serves_s3_and_stops_on_sigterm(tmp_path: Path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.s3
+def test_credentials_come_from_a_prefect_secret_block_when_named(seaweed, monkeypatch):
+    """A deployed run names a Secret block instead of carrying credentials as parameters."""
+    from prefect.blocks.system import Secret
+    from prefect.testing.utilities import prefect_test_harness
+
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    with prefect_test_harness():
+        Secret(value={"key": "block-key", "secret": "block-secret"}).save("tandem-s3")
+        Secret(value={"key": "only-a-key"}).save("tandem-s3-incomplete")
+        store = open_run_store(s3_storage_config(seaweed, key=None, secret=None, credentials_block="tandem-s3"), "run-secret")
+        store.write_atomic("probe.json", b"{}")
+        assert store.read_bytes("probe.json") == b"{}"
+        assert (store.fs.key, store.fs.secret) == ("block-key", "block-secret")
+        with pytest.raises(ValueError, match="tandem-s3-incomplete.*must hold"):
+            open_run_store(s3_storage_config(seaweed, key=None, secret=None, credentials_block="tandem-s3-incomplete"), "run-secret")

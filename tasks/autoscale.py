@@ -1,0 +1,50 @@
+"""How many generation runs a run should have, from what its components measure.
+
+The deployed parent (flows/supervisor.py) asks `autoscale_target` every few seconds. Two signals,
+both read from the run's metrics files, so the decision needs nothing but the run directory:
+
+- the trainer's idle fraction over its last steps (`wait_seconds` against `step_seconds`): above
+  `target_trainer_idle`, the trainer waits for data, so generation is the bottleneck: add one;
+- the generators' admission wait (their `load` records: the share of time a generator had
+  nothing it was allowed to start): above `max_generator_wait`, generators are held back by the
+  lag bound, so one fewer loses nothing: retire one.
+
+One step at a time, and no change within `cooldown_seconds` of the last, so that each change
+shows in the measurements before the next is decided. Adding wins when both signals fire: a
+trainer that waits is the cost tandem exists to remove.
+"""
+
+from __future__ import annotations
+
+from configs.schema import AutoscaleConfig
+
+RECENT_STEPS = 10
+"""Trainer steps the idle fraction is measured over."""
+
+
+def trainer_idle_fraction(trainer_records: list[dict]) -> float | None:
+    """Idle share of the trainer's last `RECENT_STEPS` steps; None before it has stepped."""
+    steps = [r for r in trainer_records if r.get("event") == "train_step"][-RECENT_STEPS:]
+    busy = sum(r["step_seconds"] for r in steps)
+    idle = sum(r["wait_seconds"] for r in steps)
+    return idle / (busy + idle) if steps and busy + idle > 0 else None
+
+
+def generator_wait_fraction(generator_records: list[list[dict]], since: float) -> float | None:
+    """Mean admission-wait share of each generator's newest `load` record after `since`."""
+    latest = [max((r for r in records if r.get("event") == "load" and r["time"] >= since), key=lambda r: r["time"], default=None)
+              for records in generator_records]  # fmt: skip
+    shares = [r["idle_fraction"] for r in latest if r is not None]
+    return sum(shares) / len(shares) if shares else None
+
+
+def autoscale_target(current: int, trainer_idle: float | None, generator_wait: float | None, policy: AutoscaleConfig) -> int:
+    """The number of generation runs to have next: `current` moved by at most one, within bounds."""
+    target = min(max(current, policy.min), policy.max)
+    if target != current:
+        return target
+    if trainer_idle is not None and trainer_idle > policy.target_trainer_idle:
+        return min(current + 1, policy.max)
+    if generator_wait is not None and generator_wait > policy.max_generator_wait:
+        return max(current - 1, policy.min)
+    return current

@@ -1,0 +1,44 @@
+"""The autoscale policy: one step at a time towards a trainer that does not wait."""
+
+from __future__ import annotations
+
+from configs.schema import AutoscaleConfig
+from tasks.autoscale import autoscale_target, generator_wait_fraction, trainer_idle_fraction
+
+POLICY = AutoscaleConfig(min=1, max=3, target_trainer_idle=0.2, max_generator_wait=0.3)
+
+
+def steps(wait: float, step: float, count: int = 12) -> list[dict]:
+    return [{"event": "train_step", "wait_seconds": wait, "step_seconds": step}] * count
+
+
+def test_trainer_idle_fraction_is_over_the_last_ten_steps():
+    assert trainer_idle_fraction([]) is None
+    records = steps(wait=9.0, step=1.0, count=5) + steps(wait=1.0, step=3.0, count=10)
+    assert trainer_idle_fraction(records) == 0.25
+
+
+def test_generator_wait_takes_each_generators_newest_report_since_the_last_change():
+    gen0 = [{"event": "load", "time": 10.0, "idle_fraction": 0.9}, {"event": "load", "time": 20.0, "idle_fraction": 0.4}]
+    gen1 = [{"event": "load", "time": 5.0, "idle_fraction": 1.0}]
+    assert generator_wait_fraction([gen0, gen1], since=8.0) == 0.4
+    assert generator_wait_fraction([gen0, gen1], since=0.0) == 0.7
+    assert generator_wait_fraction([gen1], since=8.0) is None
+
+
+def test_a_waiting_trainer_gets_one_more_generator_up_to_max():
+    assert autoscale_target(1, trainer_idle=0.5, generator_wait=None, policy=POLICY) == 2
+    assert autoscale_target(3, trainer_idle=0.5, generator_wait=0.0, policy=POLICY) == 3
+    assert autoscale_target(1, trainer_idle=0.5, generator_wait=0.9, policy=POLICY) == 2, "a waiting trainer wins"
+
+
+def test_generators_held_back_by_the_lag_bound_lose_one_down_to_min():
+    assert autoscale_target(3, trainer_idle=0.05, generator_wait=0.6, policy=POLICY) == 2
+    assert autoscale_target(1, trainer_idle=0.05, generator_wait=0.6, policy=POLICY) == 1
+
+
+def test_a_balanced_run_keeps_its_size_and_bounds_are_enforced_first():
+    assert autoscale_target(2, trainer_idle=0.1, generator_wait=0.1, policy=POLICY) == 2
+    assert autoscale_target(2, trainer_idle=None, generator_wait=None, policy=POLICY) == 2
+    assert autoscale_target(5, trainer_idle=0.9, generator_wait=None, policy=POLICY) == 3
+    assert autoscale_target(0, trainer_idle=None, generator_wait=None, policy=POLICY) == 1
