@@ -2,7 +2,7 @@
 
 It starts its own engine on the snapshot (pinned, so retention keeps it while it is read),
 runs greedy episodes through the same rollout code as training, and appends the score to
-metrics/evaluation.jsonl.
+metrics/evaluation.jsonl and to the run's evaluation artifact.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from pathlib import Path
 from prefect import flow
 
 from configs.schema import RunConfig
+from flows.ui import publish_evaluation
 from infra.engines.client import EngineClient
 from infra.engines.fleet import EngineFleet
 from infra.modelfactory import load_tokenizer
@@ -44,5 +45,6 @@ def evaluation(config: RunConfig, version: int | None = None) -> dict:
         unpin_snapshot(store, consumer)
     metrics = MetricsLog(store, "evaluation", flush_seconds=0)
     metrics.log("evaluation", **result)
+    publish_evaluation(config.run_id, result)
     print(f"v{version}: score {result['score']:.3f}, solved {result['solved']:.1%} of {result['prompts']} held-out prompts")
     return result

@@ -5,6 +5,7 @@
   a new version of the same key, so the UI keeps the history without one artifact per step).
 - `publish_summary`: the markdown artifact the pipeline leaves at the end: the summary and where
   the reward and timeline plots lie in the run directory.
+- `publish_evaluation`: each evaluation's score, as a new version of one table artifact.
 - `announce_snapshot`: the `tandem.weights.published` event, one per published snapshot. A
   deployment trigger in prefect.yaml runs `evaluation` on the snapshots it marks for evaluation
   (every `prefect.evaluate_every`-th), so scoring runs beside training instead of pausing it.
@@ -78,6 +79,13 @@ def publish_summary(summary: dict, run_url: str, run_id: str) -> None:
         f"- summary: `{run_url}/summary.json`",
     ])  # fmt: skip
     create_markdown_artifact(markdown, key=artifact_key(run_id, "summary"), description=f"run {run_id}: summary")
+
+
+def publish_evaluation(run_id: str, result: dict) -> None:
+    """The held-out score of one snapshot, as a new version of the run's evaluation artifact."""
+    row = {k: result.get(k) for k in ("version", "score", "solved", "prompts")}
+    create_table_artifact([row], key=artifact_key(run_id, "evaluation"),
+                          description=f"run {run_id}: held-out score of snapshot v{result.get('version')}")  # fmt: skip
 
 
 def due_for_evaluation(config: RunConfig, version: int) -> bool:

@@ -148,6 +148,15 @@ def test_deployed_run_completes_on_two_pools(deployment, finished):
     assert report["identity_holds"] and report["steps"] == 6 and report["max_trained_lag"] <= 1
 
 
+@pytest.mark.parametrize("param,field", [("run_id=a/b", "run_id"), ('config={"training": {"steps": -1}}', "config.training.steps"),
+                                         ('config={"lag": {"max_lagg": 1}}', "config.lag")])  # fmt: skip
+def test_a_bad_parameter_is_refused_at_submission_naming_the_field(deployment, param, field):
+    done = subprocess.run([_bin("prefect"), "deployment", "run", "pipeline/tandem", "--param", param],
+                          env=os.environ | deployment.env, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode != 0
+    assert f"Validation failed for field '{field}'" in done.stdout + done.stderr
+
+
 def test_published_snapshots_trigger_evaluation(deployment, finished):
     run_id, _ = finished
     store = deployment.store(run_id)
@@ -158,6 +167,9 @@ def test_published_snapshots_trigger_evaluation(deployment, finished):
             break
         time.sleep(2)
     assert {3, 6} <= versions, f"triggered evaluations seen: {sorted(versions)}"
+    with deployment.client() as client:
+        scored = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[artifact_key(run_id, "evaluation")])))
+    assert {3, 6} <= {json.loads(a.data)[0]["version"] for a in scored}
 
 
 def test_retrain_continues_the_run(deployment, finished):
