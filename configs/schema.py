@@ -57,11 +57,29 @@ class ModelConfig(Section):
         return self
 
 
+class SimLatencyConfig(Section):
+    """The simulated engine's latency model (`engine.backend: sim`, benchmarks/scaling.py)."""
+
+    prefill_s_per_token: float = Field(2e-5, ge=0, le=1)
+    """Seconds of prefill per prompt token admitted at a step."""
+    decode_base_s: float = Field(0.005, ge=0, le=60)
+    """Seconds of one decode step, before the per-sequence part."""
+    decode_s_per_seq: float = Field(0.001, ge=0, le=60)
+    """Seconds a decode step grows by for each running sequence."""
+    length_median: float = Field(12.0, gt=0, le=1_000_000)
+    """Median output length in tokens (lognormal, capped at max_new_tokens)."""
+    length_sigma: float = Field(0.8, ge=0, le=5)
+    """Lognormal sigma of output lengths: the length of the tail."""
+    load_s_per_gb: float = Field(1.0, ge=0, le=3600)
+    """Seconds update_weights_from_disk holds generation per GB of safetensors."""
+
+
 class EngineConfig(Section):
     """The inference engines: tandem's CPU engine or real SGLang servers, same HTTP API."""
 
-    backend: Literal["cpu", "sglang"] = "cpu"
-    """`cpu`: tandem's own engine (laptops, CI); `sglang`: real SGLang servers (GPU machines)."""
+    backend: Literal["cpu", "sglang", "sim"] = "cpu"
+    """`cpu`: tandem's own engine (laptops, CI); `sglang`: real SGLang servers (GPU machines);
+    `sim`: GPU-like latency without computing (the scaling benchmark)."""
     host: str = "127.0.0.1"
     """Address engines bind; loopback unless you mean to expose them."""
     base_port: int = Field(0, ge=0, le=65000)
@@ -76,6 +94,8 @@ class EngineConfig(Section):
     """Tensor-parallel size of each SGLang engine."""
     mem_fraction_static: float = Field(0.8, gt=0, lt=1)
     """Fraction of GPU memory SGLang reserves for weights and KV cache."""
+    sim: SimLatencyConfig = Field(default_factory=SimLatencyConfig)
+    """Latency model of `backend: sim`."""
 
 
 class GenerationConfig(Section):

@@ -228,15 +228,25 @@ def engine_serve(
     max_batch_size: Annotated[int, typer.Option(help="Most sequences decoded together.", min=1, max=1024)] = 32,
     weight_version: Annotated[str, typer.Option(help="Weight version reported until the first update.")] = "0",
     exit_with_parent: Annotated[bool, typer.Option(help="Stop when the process that started the engine dies.")] = False,
+    sim_latency: Annotated[
+        str | None, typer.Option(help="Serve the simulated engine with this latency model (JSON of engine.sim).")
+    ] = None,
 ) -> None:
-    """Serve a model with tandem's CPU engine behind SGLang's native HTTP API."""
+    """Serve a model with tandem's CPU engine (or the simulated one) behind SGLang's native HTTP API."""
     import logging
 
+    from pydantic import ValidationError
+
+    from configs.schema import SimLatencyConfig
     from infra.engines.server import serve
 
+    try:
+        latency = SimLatencyConfig.model_validate_json(sim_latency) if sim_latency else None
+    except ValidationError as err:
+        fail(f"--sim-latency: {err}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     serve(str(model), host=host, port=port, api_key=api_key, max_batch_size=max_batch_size,
-          weight_version=weight_version, exit_with_parent=exit_with_parent)  # fmt: skip
+          weight_version=weight_version, exit_with_parent=exit_with_parent, sim_latency=latency)  # fmt: skip
 
 
 def main() -> None:

@@ -1,7 +1,8 @@
 """The engine contract: one suite that any backend behind SGLang's native API must pass.
 
-CI runs it against tandem's CPU engine. scripts/gpu_check.sh runs the same file against a real
-SGLang server with TANDEM_ENGINE_BACKEND=sglang. Everything goes over HTTP to a real engine
+CI runs it against tandem's CPU engine and its simulated engine (`engine.backend: sim`; the
+checks of model logprobs are the CPU engine's alone). scripts/gpu_check.sh runs the same file
+against a real SGLang server with TANDEM_ENGINE_BACKEND=sglang. Everything goes over HTTP to a real engine
 process on loopback, started with an API key so that the auth check runs on every request.
 """
 
@@ -11,13 +12,14 @@ import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
 
-from configs.schema import EngineConfig
+from configs.schema import EngineConfig, SimLatencyConfig
 from infra.engines.process import EngineProcess, cpu_engine_process
 from infra.modelfactory import load_model
 from infra.ports import free_port_block
@@ -37,19 +39,34 @@ def models(tmp_path_factory) -> dict[str, Path]:
     return {"initial": committed_model_dir(root / "v0", seed=0), "update": committed_model_dir(root / "v1", seed=1)}
 
 
-@pytest.fixture(scope="module")
-def engine(models, tmp_path_factory) -> EngineProcess:
+SIM_LATENCY = SimLatencyConfig(decode_base_s=0.002, decode_s_per_seq=0.0005, prefill_s_per_token=0.0, load_s_per_gb=1.0)
+"""A fast latency model: the contract suite checks behaviour, test_sim_engine.py the timing."""
+
+
+@dataclass
+class ServedEngine:
+    backend: str
+    process: EngineProcess
+
+    @property
+    def url(self) -> str:
+        return self.process.url
+
+
+@pytest.fixture(scope="module", params=["sglang"] if BACKEND == "sglang" else ["cpu", "sim"])
+def engine(request, models, tmp_path_factory) -> ServedEngine:
     port = free_port_block(count=1)
     log_path = tmp_path_factory.mktemp("engine") / "engine.log"
-    if BACKEND == "sglang":
+    if request.param == "sglang":
         from infra.engines.sglang import sglang_engine_process
 
         config = EngineConfig(backend="sglang", api_key=API_KEY)
         process = sglang_engine_process(config, str(models["initial"]), port, log_path, weight_version="0")
     else:
-        process = cpu_engine_process(models["initial"], port, log_path, api_key=API_KEY, weight_version="0")
+        sim = SIM_LATENCY if request.param == "sim" else None
+        process = cpu_engine_process(models["initial"], port, log_path, api_key=API_KEY, weight_version="0", sim_latency=sim)
     with process.start(timeout=600):
-        yield process
+        yield ServedEngine(request.param, process)
 
 
 @pytest.fixture
@@ -75,6 +92,8 @@ def reference_logprobs(model_dir: Path, prompt: list[int], output: list[int]) ->
 
 
 def test_logprobs_match_a_reference_forward_pass(http, engine, models):
+    if engine.backend == "sim":
+        pytest.skip("the simulated engine computes no logprobs: it emits log(1/V)")
     current = http.get("/model_info").json()["model_path"]
     for sample in generate(http, temperature=1.0, max_new_tokens=24, ignore_eos=True, n=3, sampling_seed=7):
         output = sample["output_ids"]
@@ -103,7 +122,7 @@ def test_stop_token_ends_generation(http):
     assert stopped["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_at}
 
 
-def test_update_weights_changes_outputs_and_version_and_refuses_a_corrupt_snapshot(http, models, tmp_path):
+def test_update_weights_changes_outputs_and_version_and_refuses_a_corrupt_snapshot(http, engine, models, tmp_path):
     seeded = dict(temperature=1.0, max_new_tokens=16, ignore_eos=True, sampling_seed=5)
     before = generate(http, **seeded)[0]
     corrupt = corrupt_copy(models["update"], tmp_path / "corrupt")
@@ -120,13 +139,14 @@ def test_update_weights_changes_outputs_and_version_and_refuses_a_corrupt_snapsh
     assert after["output_ids"] != before["output_ids"]
     assert after["meta_info"]["weight_version"] == "1"
     assert http.get("/model_info").json()["weight_version"] == "1"
-    served = [entry[0] for entry in after["meta_info"]["output_token_logprobs"]]
-    assert served == pytest.approx(reference_logprobs(models["update"], PROMPT, after["output_ids"]), abs=1e-4)
+    if engine.backend != "sim":
+        served = [entry[0] for entry in after["meta_info"]["output_token_logprobs"]]
+        assert served == pytest.approx(reference_logprobs(models["update"], PROMPT, after["output_ids"]), abs=1e-4)
 
 
 def test_concurrent_requests_run_in_batches_larger_than_one(http, engine):
-    if BACKEND != "cpu":
-        pytest.skip("decode batch sizes are reported by tandem's CPU engine only")
+    if engine.backend == "sglang":
+        pytest.skip("decode batch sizes are reported by tandem's engines only")
     before = http.get("/server_info").json()["decode_batch_sizes"]
     with ThreadPoolExecutor(16) as pool:
         results = list(pool.map(lambda _: generate(http, max_new_tokens=24, ignore_eos=True), range(16)))
@@ -195,8 +215,8 @@ MALFORMED = {
 
 
 @pytest.mark.parametrize("case", list(MALFORMED), ids=list(MALFORMED))
-def test_malformed_requests_get_a_4xx_and_the_server_stays_up(http, case):
-    if BACKEND != "cpu" and case == "body over the size limit":
+def test_malformed_requests_get_a_4xx_and_the_server_stays_up(http, engine, case):
+    if engine.backend == "sglang" and case == "body over the size limit":
         pytest.skip("SGLang sets no body size limit")
     response = http.post("/generate", **MALFORMED[case])
     assert 400 <= response.status_code < 500, (case, response.status_code, response.text[:200])

@@ -87,6 +87,7 @@ class EngineFleet:
         return cpu_engine_process(
             self.model_dir, port, log_path, host=self.engine.host, api_key=self.api_key,
             max_batch_size=self.engine.max_batch_size, weight_version=str(self.version),
+            sim_latency=self.engine.sim if self.engine.backend == "sim" else None,
         )  # fmt: skip
 
     def __enter__(self) -> EngineFleet:

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import httpx
 
+from configs.schema import SimLatencyConfig
+
 
 class EngineStartError(RuntimeError):
     """The engine process exited or did not become healthy in time."""
@@ -96,13 +98,17 @@ class EngineProcess:
 def cpu_engine_process(
     model_path: str | Path, port: int, log_path: Path, host: str = "127.0.0.1",
     api_key: str | None = None, max_batch_size: int = 32, weight_version: str = "0",
+    sim_latency: SimLatencyConfig | None = None,
 ) -> EngineProcess:  # fmt: skip
-    """An `EngineProcess` for tandem's CPU engine. The API key travels in the environment, not
-    on the command line, where `ps` would show it to every user of the machine."""
+    """An `EngineProcess` for tandem's CPU engine, or with `sim_latency` its simulated twin.
+    The API key travels in the environment, not on the command line, where `ps` would show it
+    to every user of the machine."""
     command = [
         sys.executable, "-m", "flows.cli", "engine", "serve", "--model", str(model_path),
         "--host", host, "--port", str(port), "--max-batch-size", str(max_batch_size),
         "--weight-version", weight_version, "--exit-with-parent",
     ]  # fmt: skip
+    if sim_latency is not None:
+        command += ["--sim-latency", sim_latency.model_dump_json()]
     env = {"TANDEM_ENGINE_API_KEY": api_key} if api_key else None
     return EngineProcess(command, f"http://{host}:{port}", log_path, env=env)

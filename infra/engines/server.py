@@ -1,4 +1,4 @@
-"""The CPU engine's HTTP server: SGLang's native API subset (DESIGN.md) over `CpuEngine`.
+"""The engine HTTP server: SGLang's native API subset (DESIGN.md) over `CpuEngine` or `SimEngine`.
 
 Routes validate their bodies with the pydantic models of api.py, which are the contract shared
 with the client and checked against SGLang's own field names, so a request SGLang would refuse is
@@ -34,7 +34,9 @@ from infra.engines.api import (
     PauseGenerationRequest,
     UpdateWeightsFromDiskRequest,
 )
+from configs.schema import SimLatencyConfig
 from infra.engines.cpu import CpuEngine, GenerationJob
+from infra.engines.sim import SimEngine
 
 log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 8 * 1024 * 1024
@@ -105,7 +107,7 @@ class RequireApiKey:
         return await self.app(scope, receive, send)
 
 
-def create_app(engine: CpuEngine, api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+def create_app(engine: CpuEngine | SimEngine, api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     """The FastAPI app serving `engine`; `api_key` (if set) is required on every route but /health."""
     app = FastAPI(title="tandem CPU engine", version="1")
     if api_key:
@@ -188,7 +190,8 @@ def create_app(engine: CpuEngine, api_key: str | None = None, max_body_bytes: in
     @app.get("/server_info")
     @app.get("/get_server_info")
     async def server_info():
-        return {"backend": "cpu", "context_length": engine.context_length, **engine.stats()}
+        backend = "sim" if isinstance(engine, SimEngine) else "cpu"
+        return {"backend": backend, "context_length": engine.context_length, **engine.stats()}
 
     return app
 
@@ -200,7 +203,7 @@ def _invalid(errors: list[dict], prefix: list = ()) -> JSONResponse:
     return JSONResponse({"error": "invalid request", "detail": problems}, status_code=422)
 
 
-def _result(engine: CpuEngine, job: GenerationJob, sample, return_logprob: bool, started: float) -> dict:
+def _result(engine: CpuEngine | SimEngine, job: GenerationJob, sample, return_logprob: bool, started: float) -> dict:
     meta = {
         "id": job.rid if job.params.n == 1 else f"{job.rid}-{sample.index}",
         "finish_reason": sample.finish_reason,
@@ -218,8 +221,12 @@ def _result(engine: CpuEngine, job: GenerationJob, sample, return_logprob: bool,
 def serve(
     model_path: str, host: str = "127.0.0.1", port: int = 30000, api_key: str | None = None,
     max_batch_size: int = 32, weight_version: str = "default", exit_with_parent: bool = False,
+    sim_latency: SimLatencyConfig | None = None,
 ) -> None:  # fmt: skip
     """Load the model and serve until SIGINT/SIGTERM (uvicorn stops gracefully on both).
+
+    With `sim_latency`, serve a `SimEngine` (infra/engines/sim.py) on the model's tokenizer
+    instead of computing with the model: same routes, GPU-like timing.
 
     With `exit_with_parent`, the server also stops when the process that started it dies: an
     engine runs in a session of its own (so that stopping it never signals anything else), and
@@ -234,7 +241,10 @@ def serve(
         torch.set_num_threads(max(1, cores - 1))
     if exit_with_parent:
         _stop_when_orphaned(os.getppid())
-    engine = CpuEngine(model_path, max_batch_size=max_batch_size, weight_version=weight_version)
+    if sim_latency is not None:
+        engine = SimEngine(model_path, sim_latency, max_batch_size=max_batch_size, weight_version=weight_version)
+    else:
+        engine = CpuEngine(model_path, max_batch_size=max_batch_size, weight_version=weight_version)
     app = create_app(engine, api_key=api_key)
     log.info("serving %s on http://%s:%d", model_path, host, port)
     try:

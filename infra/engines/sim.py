@@ -1,0 +1,222 @@
+"""The simulated engine (`engine.backend: sim`): GPU-like latency without the GPU.
+
+The scaling benchmark (benchmarks/scaling.py) needs N inference engines that behave like N
+GPUs on a 2-core machine. `SimEngine` serves the same HTTP API as the CPU engine (server.py
+serves either), but produces tokens by a latency model instead of computing them, so N of them
+cost almost no CPU while each takes the time a GPU would:
+
+- a decode step advances every running sequence by one token and takes
+  `decode_base_s + decode_s_per_seq * running` seconds (a GPU's step time grows with its batch),
+  plus `prefill_s_per_token` for each prompt token admitted at that step;
+- each sequence's length is drawn from a lognormal (`length_median`, `length_sigma`), a long
+  tail as agentic outputs have, capped at the request's max_new_tokens (reached always with
+  ignore_eos); a sequence that ends before the cap ends with an end-of-sequence token;
+- tokens are drawn uniformly from the tokenizer's non-special ids, with a logprob of log(1/V),
+  so everything downstream (rollout, shards, the trainer's real optimizer step) sees valid data;
+- `update_weights` verifies the snapshot's manifest like the CPU engine, then holds generation
+  for `load_s_per_gb` times the snapshot's size; pause, continue and abort behave as the CPU
+  engine's. Outputs are seeded by the request's sampling_seed and the weight version, so they
+  change when the weights do.
+
+Like the CPU engine, one scheduler thread does all the work; HTTP handlers only submit jobs and
+commands. Time is real (the thread sleeps), so a client measures what it would against a GPU.
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import random
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import Future
+from pathlib import Path
+
+from transformers import AutoConfig, AutoTokenizer
+
+from configs.schema import SimLatencyConfig
+from infra.engines.cpu import GenerationJob, Sample
+from infra.manifest import ManifestError, verify_local_dir
+
+
+class SimEngine:
+    """An engine that sleeps like a GPU and emits valid random tokens."""
+
+    def __init__(self, model_path: str | Path, latency: SimLatencyConfig, max_batch_size: int = 256, weight_version: str = "default"):
+        self.model_path = str(model_path)
+        self.latency = latency
+        self.max_batch_size = max_batch_size
+        self.weight_version = weight_version
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        config = AutoConfig.from_pretrained(self.model_path)
+        self.vocab_size = config.vocab_size
+        self.context_length = config.max_position_embeddings
+        special = set(self.tokenizer.all_special_ids)
+        self.eos_token_id = self.tokenizer.eos_token_id
+        self.token_ids = [t for t in range(self.vocab_size) if t not in special]
+        self.logprob = -math.log(len(self.token_ids))
+        self.waiting: queue.SimpleQueue[GenerationJob] = queue.SimpleQueue()
+        self.commands: queue.SimpleQueue[tuple[Callable[[], object], Future]] = queue.SimpleQueue()
+        self.wake = threading.Event()
+        self.paused = False
+        self.running_samples: list[Sample] = []
+        self.lengths: dict[int, int] = {}
+        """id(sample) -> the length it will end at."""
+        self.rngs: dict[int, random.Random] = {}
+        self.tokens_generated = 0
+        self.busy_seconds = 0.0
+        self.batch_sizes: Counter[int] = Counter()
+        self.running = True
+        self.thread = threading.Thread(target=self._schedule, name="sim-engine", daemon=True)
+        self.thread.start()
+
+    # -- the API the HTTP server calls (thread-safe), as CpuEngine's ---------------------------
+
+    def submit(self, job: GenerationJob) -> Future:
+        self.waiting.put(job)
+        self.wake.set()
+        return job.future
+
+    def run_command(self, command: Callable[[], object]) -> Future:
+        future: Future = Future()
+        self.commands.put((command, future))
+        self.wake.set()
+        return future
+
+    def pause(self, mode: str) -> int:
+        self.paused = True
+        return self.abort(abort_all=True) if mode == "abort" else 0
+
+    def resume(self) -> None:
+        self.paused = False
+        self.wake.set()
+
+    def abort(self, rid: str | None = None, abort_all: bool = False) -> int:
+        def mark() -> int:
+            self._admit_waiting(limit=None)
+            hits = {s.job for s in self.running_samples if abort_all or s.job.rid == rid}
+            for job in hits:
+                job.aborted = True
+            self._finish({s for s in self.running_samples if s.job.aborted}, {"type": "abort"})
+            return len(hits)
+
+        return self.run_command(mark).result()
+
+    def update_weights(self, model_path: str, weight_version: str | None) -> tuple[bool, str]:
+        """Verify the snapshot, then hold the scheduler for the simulated load time."""
+        try:
+            verify_local_dir(Path(model_path))
+        except (ManifestError, OSError, ValueError) as err:
+            return False, f"refused {model_path}: {err}"
+        size_gb = sum(p.stat().st_size for p in Path(model_path).glob("*.safetensors")) / 1e9
+
+        def load() -> None:
+            time.sleep(self.latency.load_s_per_gb * size_gb)
+            self.model_path = model_path
+            self.weight_version = weight_version if weight_version is not None else self.weight_version
+
+        self.run_command(load).result()
+        return True, f"loaded {model_path} as weight_version {self.weight_version} ({size_gb:.3f} GB, simulated)"
+
+    def stats(self) -> dict:
+        return {
+            "weight_version": self.weight_version, "max_batch_size": self.max_batch_size, "paused": self.paused,
+            "num_running": len(self.running_samples), "num_waiting": self.waiting.qsize(),
+            "tokens_generated": self.tokens_generated, "busy_seconds": round(self.busy_seconds, 3),
+            "decode_batch_sizes": {str(k): v for k, v in sorted(self.batch_sizes.items())},
+            "latency_model": self.latency.model_dump(),
+        }  # fmt: skip
+
+    def shutdown(self) -> None:
+        self.running = False
+        self.wake.set()
+        self.thread.join(timeout=10)
+
+    # -- the scheduler thread ----------------------------------------------------------------
+
+    def _schedule(self) -> None:
+        while self.running:
+            while not self.commands.empty():
+                command, future = self.commands.get()
+                try:
+                    future.set_result(command())
+                except Exception as err:
+                    future.set_exception(err)
+            if self.paused or (not self.running_samples and self.waiting.empty()):
+                self.wake.wait(0.5)
+                self.wake.clear()
+                continue
+            prefill_tokens = self._admit_waiting(limit=self.max_batch_size)
+            if self.running_samples:
+                self._step(prefill_tokens)
+
+    def _admit_waiting(self, limit: int | None) -> int:
+        """Move waiting jobs' samples into the running set (up to `limit` sequences); returns the
+        prompt tokens admitted, which this step pays prefill for."""
+        prefill = 0
+        while not self.waiting.empty() and (limit is None or len(self.running_samples) < limit):
+            job = self.waiting.get()
+            job.samples = [Sample(job, i, None) for i in range(job.params.n)]
+            room = self.context_length - len(job.input_ids)
+            cap = max(0, min(job.params.max_new_tokens, room))
+            for sample in job.samples:
+                rng = random.Random(self._seed(job, sample.index))
+                self.rngs[id(sample)] = rng
+                natural = max(1, round(rng.lognormvariate(math.log(self.latency.length_median), self.latency.length_sigma)))
+                self.lengths[id(sample)] = cap if job.params.ignore_eos else min(cap, natural)
+            if cap == 0:
+                self._finish(set(job.samples), {"type": "length", "length": 0})
+                continue
+            self.running_samples += job.samples
+            prefill += len(job.input_ids) * job.params.n
+        return prefill
+
+    def _seed(self, job: GenerationJob, index: int) -> str | None:
+        """What a sample's tokens and length are drawn from: the request's sampling_seed (or,
+        greedy, its prompt), the sample's index and the weight version; None: unseeded."""
+        if job.params.sampling_seed is not None:
+            return f"{job.params.sampling_seed}-{index}-{self.weight_version}"
+        if job.params.temperature == 0:
+            return f"greedy-{job.input_ids}-{index}-{self.weight_version}"
+        return None
+
+    def _step(self, prefill_tokens: int) -> None:
+        """One decode step of every running sequence, taking the model's time."""
+        seconds = self.latency.decode_base_s + self.latency.decode_s_per_seq * len(self.running_samples)
+        seconds += self.latency.prefill_s_per_token * prefill_tokens
+        time.sleep(seconds)
+        self.busy_seconds += seconds
+        self.batch_sizes[len(self.running_samples)] += 1
+        done = set()
+        for sample in self.running_samples:
+            target = self.lengths[id(sample)]
+            stop_ids = sample.job.params.stop_token_ids or []
+            ends_early = target < sample.job.params.max_new_tokens and not sample.job.params.ignore_eos
+            if len(sample.output_ids) + 1 == target and ends_early and self.eos_token_id is not None:
+                token = self.eos_token_id
+            else:
+                token = self.rngs[id(sample)].choice(self.token_ids)
+            sample.output_ids.append(token)
+            sample.logprobs.append(self.logprob)
+            self.tokens_generated += 1
+            if token == self.eos_token_id or token in stop_ids:
+                sample.finish_reason = {"type": "stop", "matched": token}
+                done.add(sample)
+            elif len(sample.output_ids) >= target:
+                sample.finish_reason = {"type": "length", "length": len(sample.output_ids)}
+                done.add(sample)
+        self._finish(done, None)
+
+    def _finish(self, samples: set[Sample], reason: dict | None) -> None:
+        for sample in samples:
+            if reason is not None:
+                sample.finish_reason = reason
+            self.lengths.pop(id(sample), None)
+            self.rngs.pop(id(sample), None)
+        self.running_samples = [s for s in self.running_samples if s not in samples]
+        for job in {s.job for s in samples}:
+            if all(s.finish_reason is not None for s in job.samples) and not job.future.done():
+                job.weight_version = self.weight_version  # as the CPU engine: the version that finished it
+                job.future.set_result(job)

@@ -1,0 +1,87 @@
+"""The simulated engine's own promises: its timing follows the latency model, its lengths have
+the configured long tail, its tokens are valid, and it reports the weights it was given.
+(tests/test_engine_contract.py runs the HTTP contract against it.)"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import pytest
+
+from configs.schema import SimLatencyConfig
+from infra.engines.api import SamplingParams
+from infra.engines.cpu import GenerationJob
+from infra.engines.sim import SimEngine
+from tests.conftest import committed_model_dir
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sim-models")
+    return committed_model_dir(root / "v0", seed=0), committed_model_dir(root / "v1", seed=1)
+
+
+def run_jobs(engine: SimEngine, count: int, **sampling) -> tuple[list[GenerationJob], float]:
+    jobs = [GenerationJob(rid=f"r{i}", input_ids=[1, 20, 21, 22], params=SamplingParams(**sampling)) for i in range(count)]
+    started = time.monotonic()
+    for job in jobs:
+        engine.submit(job)
+    for job in jobs:
+        job.future.result(timeout=60)
+    return jobs, time.monotonic() - started
+
+
+def test_decode_time_follows_the_model_alone_and_in_a_batch(model_dirs):
+    latency = SimLatencyConfig(decode_base_s=0.02, decode_s_per_seq=0.01, prefill_s_per_token=0.0)
+    engine = SimEngine(model_dirs[0], latency)
+    try:
+        _, alone = run_jobs(engine, 1, max_new_tokens=20, ignore_eos=True)
+        _, batch = run_jobs(engine, 8, max_new_tokens=20, ignore_eos=True)
+    finally:
+        engine.shutdown()
+    assert alone == pytest.approx(20 * (0.02 + 0.01 * 1), rel=0.25)
+    assert batch == pytest.approx(20 * (0.02 + 0.01 * 8), rel=0.25), "eight sequences share each step, which grows with them"
+
+
+def test_prefill_is_paid_per_prompt_token_at_admission(model_dirs):
+    engine = SimEngine(model_dirs[0], SimLatencyConfig(decode_base_s=0.0, decode_s_per_seq=0.0, prefill_s_per_token=0.05))
+    try:
+        _, seconds = run_jobs(engine, 1, max_new_tokens=1, ignore_eos=True, n=2)
+    finally:
+        engine.shutdown()
+    assert seconds == pytest.approx(0.05 * 4 * 2, rel=0.25)
+
+
+def test_lengths_are_long_tailed_and_tokens_valid(model_dirs):
+    engine = SimEngine(model_dirs[0], SimLatencyConfig(decode_base_s=0.0, decode_s_per_seq=0.0, length_median=8, length_sigma=0.8))
+    try:
+        jobs, _ = run_jobs(engine, 1, max_new_tokens=60, n=256, sampling_seed=3, temperature=1.0)
+    finally:
+        engine.shutdown()
+    samples = jobs[0].samples
+    lengths = [len(s.output_ids) for s in samples]
+    assert 6 <= statistics.median(lengths) <= 10
+    assert max(lengths) >= 3 * statistics.median(lengths), "a long tail: some outputs far longer than the median"
+    special = set(engine.tokenizer.all_special_ids)
+    for sample in samples:
+        assert all(0 <= t < engine.vocab_size for t in sample.output_ids)
+        assert all(t not in special for t in sample.output_ids[:-1])
+        if sample.finish_reason["type"] == "stop":
+            assert sample.output_ids[-1] == engine.tokenizer.eos_token_id
+        assert sample.logprobs and all(lp < 0 for lp in sample.logprobs)
+
+
+def test_update_weights_takes_the_load_time_and_is_reported(model_dirs):
+    engine = SimEngine(model_dirs[0], SimLatencyConfig(load_s_per_gb=500.0), weight_version="0")
+    try:
+        size_gb = sum(p.stat().st_size for p in model_dirs[1].glob("*.safetensors")) / 1e9
+        started = time.monotonic()
+        ok, message = engine.update_weights(str(model_dirs[1]), "1")
+        took = time.monotonic() - started
+        jobs, _ = run_jobs(engine, 1, max_new_tokens=2)
+    finally:
+        engine.shutdown()
+    assert ok, message
+    assert took == pytest.approx(500.0 * size_gb, rel=0.3, abs=0.05)
+    assert jobs[0].weight_version == "1" and engine.stats()["weight_version"] == "1"
