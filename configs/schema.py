@@ -148,6 +148,8 @@ class TrainingConfig(Section):
     """Publish a weight snapshot every this many steps."""
     checkpoint_every: int = Field(10, ge=1, le=1_000_000)
     """Write a resumable trainer checkpoint every this many steps."""
+    simulate_step_seconds: float | None = Field(None, ge=0, le=86400)
+    """Benchmarks: make each optimizer step take this long (the real step runs inside it); null: off."""
 
 
 class LagConfig(Section):

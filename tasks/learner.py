@@ -84,7 +84,10 @@ class Learner:
         self.idle_seconds = 0.0
         self.busy_seconds = 0.0
         self.wait_seconds = 0.0
-        """How long the last admit_batch waited: the idle interval before the step."""
+        """How long the last admit_batch took: the idle interval before the step."""
+        self.poll_seconds = 0.0
+        """The part of it spent sleeping between looks, with no batch ready (the rest is
+        listing, reading and validating shards: bookkeeping)."""
 
     @property
     def version(self) -> int:
@@ -107,6 +110,7 @@ class Learner:
         groups = self.config.training.prompts_per_step
         chosen: dict[str, pa.Table] = {}
         started = time.monotonic()
+        self.poll_seconds = 0.0
         while len(chosen) < groups:
             if should_stop():
                 return None
@@ -114,6 +118,7 @@ class Learner:
             self._drop_stale([c.key for c in stale])
             if not batch:
                 time.sleep(poll_seconds)
+                self.poll_seconds += poll_seconds
                 continue
             valid = read_valid_shards(self.store, [c.key for c in batch], current_version=self.version,
                                       vocab_size=self.trainer.model.config.vocab_size)  # fmt: skip
@@ -137,6 +142,10 @@ class Learner:
         advantages = group_advantages(rewards, [r.group_id for r in rollouts])
         trained_at = self.version
         step_metrics = self.trainer.rl_step(build_batch(rollouts, advantages))
+        simulated = self.config.training.simulate_step_seconds
+        if simulated is not None:  # the benchmark's stand-in for a GPU step: the real tiny step is inside it
+            time.sleep(max(0.0, simulated - (time.monotonic() - started)))
+        compute_seconds = time.monotonic() - started
         lags = Counter()
         for key, shard in shards.items():
             self._dispose(key, "trained", samples=shard.num_rows)
@@ -144,7 +153,9 @@ class Learner:
             lag = lag_of(trained_at, parse_shard_key(key).version)
             self.ledger.lags.append(lag)
             lags[lag] += shard.num_rows
+        published = time.monotonic()
         self._publish()
+        publish_seconds = time.monotonic() - published
         step_seconds = time.monotonic() - started
         self.busy_seconds += step_seconds
         record = step_metrics | {
@@ -152,6 +163,7 @@ class Learner:
             "samples": len(rollouts), "lag_histogram": {str(k): lags[k] for k in sorted(lags)},
             "tokens_per_second": step_metrics["tokens"] / step_seconds, "busy_seconds": self.busy_seconds,
             "idle_seconds": self.idle_seconds, "step_seconds": step_seconds, "wait_seconds": self.wait_seconds,
+            "poll_seconds": self.poll_seconds, "compute_seconds": compute_seconds, "publish_seconds": publish_seconds,
             **self.ledger.counts,
         }  # fmt: skip
         logged = self.metrics.log("train_step", **record)

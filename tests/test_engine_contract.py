@@ -114,7 +114,15 @@ def test_sampling_seed_makes_outputs_reproducible(http):
     assert first[0]["output_ids"] != first[1]["output_ids"], "the n samples of a seeded request must differ"
 
 
-def test_stop_token_ends_generation(http):
+def test_stop_token_ends_generation(http, engine):
+    if engine.backend == "sim":  # no model to agree with itself: check the stop itself
+        outputs = generate(http, temperature=1.0, max_new_tokens=24, stop_token_ids=[30], n=16, sampling_seed=3)
+        stopped = [o for o in outputs if o["meta_info"]["finish_reason"]["type"] == "stop"]
+        assert stopped, "some of 16 samples end before 24 tokens"
+        for o in stopped:
+            assert o["output_ids"][-1] == 30 and 30 not in o["output_ids"][:-1]
+            assert o["meta_info"]["finish_reason"] == {"type": "stop", "matched": 30}
+        return
     greedy = generate(http, temperature=0.0, max_new_tokens=12, ignore_eos=True)[0]["output_ids"]
     stop_at = greedy[3]
     stopped = generate(http, temperature=0.0, max_new_tokens=12, ignore_eos=True, stop_token_ids=[stop_at])[0]

@@ -48,8 +48,16 @@ class EngineFleet:
         return [{"url": p.url, "pid": p.pid} for p in self.processes]
 
     def start(self, timeout: float = 300.0) -> EngineFleet:
+        """Launch every engine, then wait for each: they boot side by side, so N engines take
+        about as long as one (an SGLang server takes minutes to load and capture graphs)."""
         for process in self.processes:
-            process.start(timeout)
+            process.launch()
+        try:
+            for process in self.processes:
+                process.wait_healthy(timeout)
+        except BaseException:
+            self.stop()
+            raise
         return self
 
     def stop(self) -> None:

@@ -40,12 +40,20 @@ class EngineProcess:
 
     def start(self, timeout: float = 120.0) -> EngineProcess:
         """Start the process and return once GET /health answers 200."""
+        return self.launch().wait_healthy(timeout)
+
+    def launch(self) -> EngineProcess:
+        """Start the process without waiting for it (several engines boot side by side)."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
                 self.command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 env=os.environ | (self.env or {}), start_new_session=True,
             )  # fmt: skip
+        return self
+
+    def wait_healthy(self, timeout: float = 120.0) -> EngineProcess:
+        """Return once GET /health answers 200; stop the process and raise if it never does."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:

@@ -10,9 +10,11 @@ cost almost no CPU while each takes the time a GPU would:
   plus `prefill_s_per_token` for each prompt token admitted at that step;
 - each sequence's length is drawn from a lognormal (`length_median`, `length_sigma`), a long
   tail as agentic outputs have, capped at the request's max_new_tokens (reached always with
-  ignore_eos); a sequence that ends before the cap ends with an end-of-sequence token;
-- tokens are drawn uniformly from the tokenizer's non-special ids, with a logprob of log(1/V),
-  so everything downstream (rollout, shards, the trainer's real optimizer step) sees valid data;
+  ignore_eos); a sequence that ends before the cap ends with its request's first stop token,
+  or the end-of-sequence token if it gave none;
+- tokens are drawn uniformly from the tokenizer's non-special ids other than the request's stop
+  tokens, with a logprob of log(1/V), so everything downstream (rollout, shards, the trainer's
+  real optimizer step) sees valid data and lengths follow the model, not chance stop tokens;
 - `update_weights` verifies the snapshot's manifest like the CPU engine, then holds generation
   for `load_s_per_gb` times the snapshot's size; pause, continue and abort behave as the CPU
   engine's. Outputs are seeded by the request's sampling_seed and the weight version, so they
@@ -68,6 +70,7 @@ class SimEngine:
         self.tokens_generated = 0
         self.busy_seconds = 0.0
         self.batch_sizes: Counter[int] = Counter()
+        self._choices_by_stops: dict[tuple[int, ...], list[int]] = {}
         self.running = True
         self.thread = threading.Thread(target=self._schedule, name="sim-engine", daemon=True)
         self.thread.start()
@@ -194,10 +197,11 @@ class SimEngine:
             target = self.lengths[id(sample)]
             stop_ids = sample.job.params.stop_token_ids or []
             ends_early = target < sample.job.params.max_new_tokens and not sample.job.params.ignore_eos
-            if len(sample.output_ids) + 1 == target and ends_early and self.eos_token_id is not None:
-                token = self.eos_token_id
+            last = stop_ids[0] if stop_ids else self.eos_token_id
+            if len(sample.output_ids) + 1 == target and ends_early and last is not None:
+                token = last
             else:
-                token = self.rngs[id(sample)].choice(self.token_ids)
+                token = self.rngs[id(sample)].choice(self._choices(stop_ids))
             sample.output_ids.append(token)
             sample.logprobs.append(self.logprob)
             self.tokens_generated += 1
@@ -208,6 +212,16 @@ class SimEngine:
                 sample.finish_reason = {"type": "length", "length": len(sample.output_ids)}
                 done.add(sample)
         self._finish(done, None)
+
+    def _choices(self, stop_ids: list[int]) -> list[int]:
+        """Token ids a sample may emit before its drawn length is reached: not special, and not
+        one of its request's stop tokens, which would end it early and shorten the tail."""
+        if not stop_ids:
+            return self.token_ids
+        key = tuple(sorted(stop_ids))
+        if key not in self._choices_by_stops:
+            self._choices_by_stops[key] = [t for t in self.token_ids if t not in set(stop_ids)]
+        return self._choices_by_stops[key]
 
     def _finish(self, samples: set[Sample], reason: dict | None) -> None:
         for sample in samples:

@@ -1,0 +1,255 @@
+"""Does adding inference capacity speed training up as it should? slime's scaling table, emulated.
+
+slime on SkyPilot (Qwen3-14B GRPO, H100s) ran async: 1 -> 3 SGLang engines cut the step from
+1200 s to 661 s; sync went 1697 s -> 1032 s, and the trainer's wait ratio 0.8 -> 0.4. That
+implies about 1000 s of generation per batch on one engine (G1) and 700 s of training plus
+weight sync (T + S). This benchmark runs tandem's real pipeline (flows, Prefect, storage,
+shards, snapshots, lag control) with GPU time emulated: `engine.backend: sim` engines whose
+latency model is calibrated so that one engine generates one batch in G1 seconds, and a trainer
+whose step takes T (`training.simulate_step_seconds`, a real optimizer step inside it) and whose
+engines take S to load a snapshot. Profiles are slime's scaled down 100x, and a generation-heavy
+agentic one; any G1/T/S can be given.
+
+Per run (N engines, max_lag) it reports the median steady-state step time, the trainer's idle
+fraction, the generators' idle fraction (no group in flight), and tandem's own overhead per step
+(the trainer's step interval minus its pure waiting and its simulated compute: listing, reading
+and validating shards, publishing, checkpointing, Prefect task runs), beside the ideal:
+sync = G1/N + T + S, async = max(G1/N, T + S). The last line is `worst_async_ratio_vs_ideal: X`.
+
+Usage: python benchmarks/scaling.py [--quick] [--out FILE] [--plot FILE] [--profile seed|agentic]
+       [--g1 S --t S --s S] [--engines 1,2,3,4] [--steps K]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from rich.console import Console
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from configs.schema import SimLatencyConfig  # noqa: E402
+from infra.prefect_server import PrefectServer  # noqa: E402
+
+console = Console(stderr=True)
+
+PROMPTS_PER_STEP, SAMPLES = 16, 8
+BATCH = PROMPTS_PER_STEP * SAMPLES
+MAX_NEW_TOKENS, LENGTH_MEDIAN, LENGTH_SIGMA = 40, 12.0, 0.8
+DECODE_BASE_S, PREFILL_S_PER_TOKEN, PROMPT_TOKENS = 0.001, 1e-5, 8
+SEED_POINTS = {1: {"async": 12.00, "sync": 16.97}, 3: {"async": 6.61, "sync": 10.32}}
+"""slime's measured step times, in seconds / 100 (the profiles' units)."""
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    g1: float
+    """Seconds one engine takes to generate one batch."""
+    t: float
+    """Seconds of one training step."""
+    s: float
+    """Seconds of one weight sync (an engine loading a snapshot)."""
+
+    def ideal(self, engines: int, sync: bool) -> float:
+        return self.g1 / engines + self.t + self.s if sync else max(self.g1 / engines, self.t + self.s)
+
+
+PROFILES = {"seed": Profile("seed", 10.0, 6.5, 0.3), "agentic": Profile("agentic", 15.0, 2.5, 0.3)}
+
+
+def latency_for(profile: Profile, snapshot_bytes: int) -> SimLatencyConfig:
+    """The sim engine's latency model that makes one engine generate one batch in G1 seconds.
+
+    A batch of B sequences costs base * (longest length) + per_seq * (total tokens) + prefill, so
+    per_seq follows from the expected lengths, computed by sampling the same capped lognormal
+    the engine draws from."""
+    rng = random.Random(0)
+    totals, longest = [], []
+    for _ in range(200):
+        lengths = [min(MAX_NEW_TOKENS, max(1, round(rng.lognormvariate(math.log(LENGTH_MEDIAN), LENGTH_SIGMA)))) for _ in range(BATCH)]
+        totals.append(sum(lengths))
+        longest.append(max(lengths))
+    fixed = DECODE_BASE_S * statistics.mean(longest) + PREFILL_S_PER_TOKEN * PROMPT_TOKENS * BATCH
+    per_seq = (profile.g1 - fixed) / statistics.mean(totals)
+    return SimLatencyConfig(prefill_s_per_token=PREFILL_S_PER_TOKEN, decode_base_s=DECODE_BASE_S, decode_s_per_seq=per_seq,
+                            length_median=LENGTH_MEDIAN, length_sigma=LENGTH_SIGMA, load_s_per_gb=profile.s / (snapshot_bytes / 1e9))  # fmt: skip
+
+
+def tiny_snapshot_bytes() -> int:
+    """Size of the tiny model's safetensors, which the sim engines' load time is scaled by."""
+    from configs.schema import ModelConfig
+    from infra.modelfactory import save_tiny_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        return sum(p.stat().st_size for p in save_tiny_model(ModelConfig(), Path(tmp) / "m", seed=0).glob("*.safetensors"))
+
+
+def run_once(profile: Profile, engines: int, max_lag: int, steps: int, warmup: int, root: Path, env: dict,
+             latency: SimLatencyConfig) -> dict:  # fmt: skip
+    """One pipeline run in a fresh process; its figures read back from the run directory."""
+    run_id = f"{profile.name}-n{engines}-lag{max_lag}"
+    overrides = [
+        f"run_id={run_id}", f"storage.root=file://{root}", "engine.backend=sim", f"engine.sim={latency.model_dump_json()}",
+        f"engine.max_batch_size={BATCH}", f"generation.engines={engines}", f"generation.samples_per_prompt={SAMPLES}",
+        f"generation.max_new_tokens={MAX_NEW_TOKENS}", f"generation.prompts_per_chunk={PROMPTS_PER_STEP}",
+        f"training.prompts_per_step={PROMPTS_PER_STEP}", f"training.steps={warmup + steps}", "training.warmup_steps=0",
+        f"training.simulate_step_seconds={profile.t}", "training.checkpoint_every=1000", "training.publish_every=1",
+        f"lag.max_lag={max_lag}", "env.entrypoint=tasks.envs.arithmetic:AdditionEnv", "env.kwargs={}", "env.max_turns=1",
+        "env.eval_prompts=2", "dask.n_workers=2", "dask.threads_per_worker=16",
+    ]  # fmt: skip
+    command = [sys.executable, "-m", "flows.pipeline", str(ROOT / "configs" / "tiny.yaml"), *overrides]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+    if done.returncode != 0:
+        raise RuntimeError(f"{run_id} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    return measure(root / run_id, warmup)
+
+
+def measure(run_dir: Path, warmup: int) -> dict:
+    """Steady-state figures of a finished run, from its components' own records."""
+    records = [json.loads(line) for line in (run_dir / "metrics" / "trainer.jsonl").read_text().splitlines()]
+    steps = [r for r in records if r["event"] == "train_step"]
+    steps = list({r["version"]: r for r in steps}.values())
+    steady = steps[warmup:]
+    intervals = [b["time"] - a["time"] for a, b in zip(steps[warmup - 1:], steady)]
+    overheads = [gap - r["poll_seconds"] - r["compute_seconds"] for gap, r in zip(intervals, steady)]
+    window = (steps[warmup - 1]["time"], steady[-1]["time"])
+    groups = [json.loads(line) for f in (run_dir / "metrics").glob("generator-*.jsonl") for line in f.read_text().splitlines()]
+    groups = [g for g in groups if g["event"] == "group" and "started_at" in g]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    return {
+        "step_seconds": statistics.median(intervals),
+        "trainer_idle": sum(r["wait_seconds"] for r in steady) / sum(intervals),
+        "generator_idle": 1 - _covered(groups, *window) / (window[1] - window[0]),
+        "overhead_seconds": statistics.median(overheads),
+        "compute_seconds": statistics.median(r["compute_seconds"] for r in steady),
+        "identity_holds": summary["identity_holds"], "max_trained_lag": summary["max_trained_lag"],
+        "steps_measured": len(steady),
+    }  # fmt: skip
+
+
+def _covered(groups: list[dict], start: float, end: float) -> float:
+    """Seconds of [start, end] during which at least one group was in flight."""
+    spans = sorted((max(g["started_at"], start), min(g["finished_at"], end)) for g in groups if g["finished_at"] > start and g["started_at"] < end)
+    covered, reach = 0.0, start
+    for a, b in spans:
+        if b > reach:
+            covered += b - max(a, reach)
+            reach = b
+    return covered
+
+
+def plan(args) -> list[tuple[Profile, int, int]]:
+    """(profile, engines, max_lag) of every run, in the order they run."""
+    if args.g1 is not None:
+        profiles = {Profile("custom", args.g1, args.t, args.s): [0, 2]}
+    elif args.quick:
+        profiles = {PROFILES["seed"]: [0, 2]}
+    else:
+        profiles = {PROFILES["seed"]: [0, 1, 2], PROFILES["agentic"]: [0, 2]}
+    engines = [1, 3] if args.quick else [int(n) for n in args.engines.split(",")]
+    return [(p, n, lag) for p, lags in profiles.items() for n in engines for lag in lags]
+
+
+def print_table(results: list[dict]) -> None:
+    print("| profile | engines | max_lag | step s | ideal s | measured/ideal | trainer idle | generator idle | overhead s/step | overhead % | slime s |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in results:
+        mode = "sync" if r["max_lag"] == 0 else "async"
+        slime = SEED_POINTS.get(r["engines"], {}).get(mode) if r["profile"] == "seed" else None
+        print(f"| {r['profile']} | {r['engines']} | {r['max_lag']} | {r['step_seconds']:.2f} | {r['ideal_seconds']:.2f} "
+              f"| {r['ratio']:.2f} | {r['trainer_idle']:.2f} | {r['generator_idle']:.2f} | {r['overhead_seconds']:.3f} "
+              f"| {100 * r['overhead_seconds'] / r['step_seconds']:.1f}% | {'' if slime is None else f'{slime:.2f}'} |")  # fmt: skip
+
+
+def plot(results: list[dict], path: Path) -> None:
+    """Step time against engines: measured sync and async, both ideals, slime's points."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    profiles = list(dict.fromkeys(r["profile"] for r in results))
+    fig, axes = plt.subplots(1, len(profiles), figsize=(6 * len(profiles), 4.2), squeeze=False)
+    for ax, name in zip(axes[0], profiles):
+        rows = [r for r in results if r["profile"] == name]
+        profile = Profile(name, rows[0]["g1"], rows[0]["t"], rows[0]["s"])
+        ns = sorted({r["engines"] for r in rows})
+        dense = [1 + i / 20 for i in range(int((max(ns) - 1) * 20) + 1)]
+        ax.plot(dense, [profile.ideal(n, True) for n in dense], "--", color="tab:red", label="ideal sync")
+        ax.plot(dense, [profile.ideal(n, False) for n in dense], "--", color="tab:blue", label="ideal async")
+        for lag in sorted({r["max_lag"] for r in rows}):
+            points = sorted((r["engines"], r["step_seconds"]) for r in rows if r["max_lag"] == lag)
+            style = ("o-", "tab:red") if lag == 0 else ("s-", "tab:blue" if lag == 2 else "tab:cyan")
+            ax.plot(*zip(*points), style[0], color=style[1], label=f"tandem, max_lag {lag}" + (" (sync)" if lag == 0 else ""))
+        if name == "seed":
+            for mode, marker in (("sync", "X"), ("async", "P")):
+                xs = sorted(SEED_POINTS)
+                ax.plot(xs, [SEED_POINTS[n][mode] for n in xs], marker, markersize=11, color="black", linestyle="none",
+                        label=f"slime on SkyPilot, {mode} (/100)")  # fmt: skip
+        ax.set(title=f"{name}: G1={profile.g1:g}s, T={profile.t:g}s, S={profile.s:g}s", xlabel="engines (N)", ylabel="step time (s)")
+        ax.set_xticks(ns)
+        ax.set_ylim(bottom=0)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="N = 1 and 3, the seed's profile, max_lag 0 and 2, 4 steps.")
+    parser.add_argument("--out", type=Path, help="Write every measurement as JSON here.")
+    parser.add_argument("--plot", type=Path, default=Path("scaling.png"), help="PNG of step time against engines.")
+    parser.add_argument("--engines", default="1,2,3,4", help="Engine counts to run (comma-separated).")
+    parser.add_argument("--steps", type=int, default=8, help="Steady-state steps measured per run.")
+    parser.add_argument("--warmup", type=int, default=2, help="Steps run first and not measured.")
+    parser.add_argument("--g1", type=float, help="Custom profile: seconds one engine takes per batch.")
+    parser.add_argument("--t", type=float, default=6.5, help="Custom profile: seconds of a training step.")
+    parser.add_argument("--s", type=float, default=0.3, help="Custom profile: seconds of a weight sync.")
+    args = parser.parse_args()
+    steps, warmup = (3, 1) if args.quick else (args.steps, args.warmup)
+    runs = plan(args)
+    snapshot_bytes = tiny_snapshot_bytes()
+    root = Path(tempfile.mkdtemp(prefix="tandem-scaling-"))
+    server = PrefectServer(root / "prefect").start()
+    env = os.environ | server.env() | {"HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+    results = []
+    started = time.monotonic()
+    try:
+        for i, (profile, engines, lag) in enumerate(runs, 1):
+            console.print(f"[{i}/{len(runs)}] {profile.name}: {engines} engine(s), max_lag {lag} ({time.monotonic() - started:.0f} s so far)")
+            measured = run_once(profile, engines, lag, steps, warmup, root / "runs", env, latency_for(profile, snapshot_bytes))
+            ideal = profile.ideal(engines, sync=lag == 0)
+            results.append({"profile": profile.name, **asdict(profile), "engines": engines, "max_lag": lag,
+                            "ideal_seconds": ideal, "ratio": measured["step_seconds"] / ideal, **measured})  # fmt: skip
+    finally:
+        server.stop()
+    print(f"\n{steps} steady-state steps per run after {warmup} warm-up; batch {PROMPTS_PER_STEP} prompts x {SAMPLES} samples\n")
+    print_table(results)
+    plot(results, args.plot)
+    async_ratios = [r["ratio"] for r in results if r["max_lag"] > 0]
+    sync_ratios = [r["ratio"] for r in results if r["max_lag"] == 0]
+    if args.out:
+        args.out.write_text(json.dumps({"steps": steps, "warmup": warmup, "runs": results, "seed_points": SEED_POINTS,
+                                        "worst_async_ratio_vs_ideal": max(async_ratios, default=None),
+                                        "worst_sync_ratio_vs_ideal": max(sync_ratios, default=None)}, indent=2))  # fmt: skip
+    console.print(f"plot: {args.plot}; {time.monotonic() - started:.0f} s in all")
+    print(f"worst_sync_ratio_vs_ideal: {max(sync_ratios, default=float('nan')):.2f}")
+    print(f"worst_async_ratio_vs_ideal: {max(async_ratios, default=float('nan')):.2f}")
+
+
+if __name__ == "__main__":
+    main()
