@@ -185,6 +185,30 @@ def test_retrain_continues_the_run(deployment, finished):
     steps = [r["version"] for r in read_metrics(store, "trainer") if r["event"] == "train_step"]
     assert sorted(set(steps)) == list(range(1, 9)), "versions continue from 6 to 8"
     assert snapshot_versions(store)[-1] == 8
+    assert_promoted_only_on_improvement(store, store, before=6, after=8)
+
+    out = deployment.cli(_bin("prefect"), "deployment", "run", "retrain/tandem", "--param", f"run_id={run_id}", "--param", "steps=2",
+                         "--param", f"new_run_id={run_id}-next", "--param", f"storage_root=s3://{deployment.bucket}/runs")  # fmt: skip
+    run = deployment.wait_final(_flow_run_id(out))
+    assert run.state.is_completed(), run.state.message
+    successor = deployment.store(f"{run_id}-next")
+    assert snapshot_versions(successor)[-1] == 2
+    recorded = json.loads(successor.read_bytes("config.json"))
+    assert recorded["training"]["warmup_steps"] == 0 and recorded["model"]["path"], "starts from the source's snapshot"
+
+
+def assert_promoted_only_on_improvement(source, candidate, before: int, after: int) -> None:
+    """PROMOTED names the retrained snapshot iff it scored above the promoted one (or, with none
+    promoted, above the score retraining started from)."""
+    scores = {r["version"]: r["score"] for r in read_metrics(candidate, "evaluation") if r["event"] == "evaluation"}
+    try:
+        promoted = json.loads(source.read_bytes("PROMOTED.json"))
+    except FileNotFoundError:
+        promoted = None
+    if scores[after] > scores[before]:
+        assert promoted and promoted["version"] == after and promoted["score"] == scores[after]
+    else:
+        assert promoted is None
 
 
 def test_scale_up_and_down_mid_run(deployment):

@@ -1,0 +1,123 @@
+"""Weight sync: how long from the trainer publishing version v to every engine serving it?
+
+    python benchmarks/weightsync.py [--out FILE] [--quick]
+
+For the tiny model and a random-init Llama of about 100M parameters, on file:// and on a
+SeaweedFS server this script starts on loopback, two ways of moving the same snapshot bytes:
+
+- tandem: `publish_snapshot` (save_pretrained into staging, sha256 manifest, upload, manifest
+  last, LATEST), then what a generator does: `load_snapshot` (download into staging, sha256 of
+  every file, rename into place) and `EngineFleet.update_weights` (pause -> update_weights_from_disk
+  -> continue on every engine, each loading the weights into its live model), until every engine
+  reports version v. Two CPU engines.
+- raw: the snapshot's files, already saved, `put_file` to the same storage and `get_file` back
+  into a local directory: moving the bytes and nothing else (no serialising, hashing or loading).
+
+ratio = tandem seconds / raw seconds; the last line is `worst_sync_ratio_vs_raw: X`, the largest
+ratio of all rows (target <= 1.5). Each is the median of a few repeats, taking turns.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from rich.console import Console
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from configs.schema import EngineConfig, ModelConfig, StorageConfig  # noqa: E402
+from infra.engines.fleet import EngineFleet  # noqa: E402
+from infra.modelfactory import load_model, load_tokenizer, save_tiny_model  # noqa: E402
+from infra.seaweed import SeaweedServer, free_s3_port  # noqa: E402
+from infra.storage import open_run_store  # noqa: E402
+from tasks.snapshots import load_snapshot, publish_snapshot  # noqa: E402
+
+console = Console(stderr=True)
+MODELS = {
+    "tiny": ModelConfig(),
+    "100M": ModelConfig(hidden_size=768, num_layers=12, num_heads=12, intermediate_size=3072),
+}
+
+
+def tandem_sync(store, model, tokenizer, version: int, fleet: EngineFleet, cache: Path) -> float:
+    started = time.monotonic()
+    publish_snapshot(store, model, tokenizer, version)
+    local = load_snapshot(store, cache, version)
+    results = fleet.update_weights(local, version)
+    seconds = time.monotonic() - started
+    if not all(r.ok and r.weight_version == str(version) for r in results):
+        raise RuntimeError(f"engines did not all load v{version}: {results}")
+    return seconds
+
+
+def raw_copy(store, files: list[Path], repeat: int, scratch: Path) -> float:
+    fs, base = store.fs, f"{store.base}/raw{repeat}"
+    target = scratch / f"raw{repeat}"
+    target.mkdir(parents=True)
+    started = time.monotonic()
+    for path in files:
+        fs.put_file(str(path), f"{base}/{path.name}")
+    for path in files:
+        fs.get_file(f"{base}/{path.name}", str(target / path.name))
+    return time.monotonic() - started
+
+
+def measure(backend: str, storage: StorageConfig, size: str, repeats: int, scratch: Path) -> dict:
+    model_dir = save_tiny_model(MODELS[size], scratch / f"{size}-model", seed=0)
+    model, tokenizer = load_model(model_dir), load_tokenizer(model_dir)
+    files = sorted(p for p in model_dir.iterdir() if p.is_file())
+    store = open_run_store(storage, f"weightsync-{size}")
+    publish_snapshot(store, model, tokenizer, 0)
+    engines = EngineFleet(EngineConfig(), 2, load_snapshot(store, scratch / f"{size}-cache", 0), 0, scratch / "logs")
+    tandem, raw = [], []
+    with engines:
+        tandem_sync(store, model, tokenizer, 1, engines, scratch / f"{size}-cache")  # warm-up, not counted
+        for i in range(repeats):
+            tandem.append(tandem_sync(store, model, tokenizer, 2 + i, engines, scratch / f"{size}-cache"))
+            raw.append(raw_copy(store, files, i, scratch / size))
+    megabytes = sum(p.stat().st_size for p in files) / 1e6
+    t, r = statistics.median(tandem), statistics.median(raw)
+    return {"backend": backend, "model": size, "megabytes": megabytes, "tandem_seconds": t, "raw_seconds": r, "ratio": t / r}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, help="Write every measurement as JSON here.")
+    parser.add_argument("--quick", action="store_true", help="The tiny model only, one repeat.")
+    args = parser.parse_args()
+    sizes, repeats = (["tiny"], 1) if args.quick else (["tiny", "100M"], 3)
+    scratch = Path(tempfile.mkdtemp(prefix="tandem-weightsync-"))
+    server = SeaweedServer(scratch / "s3", free_s3_port()).start()
+    results = []
+    try:
+        backends = {
+            "file": StorageConfig(root=f"file://{scratch}/runs"),
+            "s3": StorageConfig(root="s3://weightsync/runs", endpoint_url=server.endpoint_url, key="bench", secret="bench"),
+        }
+        for size in sizes:
+            for backend, storage in backends.items():
+                console.print(f"{size} model on {backend}")
+                results.append(measure(backend, storage, size, repeats, scratch / backend))
+    finally:
+        server.stop()
+        shutil.rmtree(scratch, ignore_errors=True)
+    print("| storage | model | MB | tandem s (publish -> all engines on v) | raw copy s | ratio |")
+    print("|---|---|---:|---:|---:|---:|")
+    for r in results:
+        print(f"| {r['backend']} | {r['model']} | {r['megabytes']:.1f} | {r['tandem_seconds']:.2f} | {r['raw_seconds']:.2f} | {r['ratio']:.2f} |")
+    worst = max(r["ratio"] for r in results)
+    if args.out:
+        args.out.write_text(json.dumps({"runs": results, "worst_sync_ratio_vs_raw": worst}, indent=2))
+    print(f"worst_sync_ratio_vs_raw: {worst:.2f}")
+
+
+if __name__ == "__main__":
+    main()
