@@ -16,8 +16,8 @@ fraction, the generators' idle fraction (no group in flight), and tandem's own o
 and validating shards, publishing, checkpointing, Prefect task runs), beside the ideal:
 sync = G1/N + T + S, async = max(G1/N, T + S). The last line is `worst_async_ratio_vs_ideal: X`.
 
-Usage: python benchmarks/scaling.py [--quick] [--out FILE] [--plot FILE] [--profile seed|agentic]
-       [--g1 S --t S --s S] [--engines 1,2,3,4] [--steps K]
+Usage: python benchmarks/scaling.py [--quick] [--out FILE] [--plot FILE] [--g1 S --t S --s S]
+       [--engines 1,2,3,4] [--steps K] [--warmup K] [--time-scale F]
 """
 
 from __future__ import annotations
@@ -62,6 +62,9 @@ class Profile:
     """Seconds of one training step."""
     s: float
     """Seconds of one weight sync (an engine loading a snapshot)."""
+
+    def scaled(self, factor: float) -> Profile:
+        return Profile(self.name, self.g1 * factor, self.t * factor, self.s * factor)
 
     def ideal(self, engines: int, sync: bool) -> float:
         return self.g1 / engines + self.t + self.s if sync else max(self.g1 / engines, self.t + self.s)
@@ -160,7 +163,7 @@ def plan(args) -> list[tuple[Profile, int, int]]:
     else:
         profiles = {PROFILES["seed"]: [0, 1, 2], PROFILES["agentic"]: [0, 2]}
     engines = [1, 3] if args.quick else [int(n) for n in args.engines.split(",")]
-    return [(p, n, lag) for p, lags in profiles.items() for n in engines for lag in lags]
+    return [(p.scaled(args.time_scale), n, lag) for p, lags in profiles.items() for n in engines for lag in lags]
 
 
 def print_table(results: list[dict]) -> None:
@@ -169,6 +172,7 @@ def print_table(results: list[dict]) -> None:
     for r in results:
         mode = "sync" if r["max_lag"] == 0 else "async"
         slime = SEED_POINTS.get(r["engines"], {}).get(mode) if r["profile"] == "seed" else None
+        slime = slime * r["g1"] / PROFILES["seed"].g1 if slime is not None else None  # in the run's time scale
         print(f"| {r['profile']} | {r['engines']} | {r['max_lag']} | {r['step_seconds']:.2f} | {r['ideal_seconds']:.2f} "
               f"| {r['ratio']:.2f} | {r['trainer_idle']:.2f} | {r['generator_idle']:.2f} | {r['overhead_seconds']:.3f} "
               f"| {100 * r['overhead_seconds'] / r['step_seconds']:.1f}% | {'' if slime is None else f'{slime:.2f}'} |")  # fmt: skip
@@ -195,9 +199,10 @@ def plot(results: list[dict], path: Path) -> None:
             style = ("o-", "tab:red") if lag == 0 else ("s-", "tab:blue" if lag == 2 else "tab:cyan")
             ax.plot(*zip(*points), style[0], color=style[1], label=f"tandem, max_lag {lag}" + (" (sync)" if lag == 0 else ""))
         if name == "seed":
+            scale = profile.g1 / PROFILES["seed"].g1
             for mode, marker in (("sync", "X"), ("async", "P")):
                 xs = sorted(SEED_POINTS)
-                ax.plot(xs, [SEED_POINTS[n][mode] for n in xs], marker, markersize=11, color="black", linestyle="none",
+                ax.plot(xs, [SEED_POINTS[n][mode] * scale for n in xs], marker, markersize=11, color="black", linestyle="none",
                         label=f"slime on SkyPilot, {mode} (/100)")  # fmt: skip
         ax.set(title=f"{name}: G1={profile.g1:g}s, T={profile.t:g}s, S={profile.s:g}s", xlabel="engines (N)", ylabel="step time (s)")
         ax.set_xticks(ns)
@@ -210,16 +215,19 @@ def plot(results: list[dict], path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="N = 1 and 3, the seed's profile, max_lag 0 and 2, 4 steps.")
+    parser.add_argument("--quick", action="store_true",
+                        help="N = 1 and 3, the seed's profile at half its times, max_lag 0 and 2, 4 steps.")  # fmt: skip
     parser.add_argument("--out", type=Path, help="Write every measurement as JSON here.")
     parser.add_argument("--plot", type=Path, default=Path("scaling.png"), help="PNG of step time against engines.")
     parser.add_argument("--engines", default="1,2,3,4", help="Engine counts to run (comma-separated).")
     parser.add_argument("--steps", type=int, default=8, help="Steady-state steps measured per run.")
-    parser.add_argument("--warmup", type=int, default=2, help="Steps run first and not measured.")
+    parser.add_argument("--warmup", type=int, default=1, help="Steps run first and not measured (start-up).")
     parser.add_argument("--g1", type=float, help="Custom profile: seconds one engine takes per batch.")
     parser.add_argument("--t", type=float, default=6.5, help="Custom profile: seconds of a training step.")
     parser.add_argument("--s", type=float, default=0.3, help="Custom profile: seconds of a weight sync.")
+    parser.add_argument("--time-scale", type=float, help="Multiply every profile's times (default 1; 0.5 with --quick).")
     args = parser.parse_args()
+    args.time_scale = args.time_scale or (0.5 if args.quick else 1.0)
     steps, warmup = (3, 1) if args.quick else (args.steps, args.warmup)
     runs = plan(args)
     snapshot_bytes = tiny_snapshot_bytes()
@@ -237,7 +245,8 @@ def main() -> None:
                             "ideal_seconds": ideal, "ratio": measured["step_seconds"] / ideal, **measured})  # fmt: skip
     finally:
         server.stop()
-    print(f"\n{steps} steady-state steps per run after {warmup} warm-up; batch {PROMPTS_PER_STEP} prompts x {SAMPLES} samples\n")
+    print(f"\n{steps} steady-state steps per run after {warmup} warm-up; batch {PROMPTS_PER_STEP} prompts x {SAMPLES} samples; "
+          f"times x{args.time_scale:g} of the profiles'\n")  # fmt: skip
     print_table(results)
     plot(results, args.plot)
     async_ratios = [r["ratio"] for r in results if r["max_lag"] > 0]

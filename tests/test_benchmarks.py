@@ -65,3 +65,45 @@ def test_learning_benchmark_quick_run(tmp_path: Path) -> None:
     report = json.loads(out.read_text())
     assert [r["name"] for r in report["runs"]] == ["bare loop", "lag 0", "lag 4, corrected"]
     assert all(r["identity_holds"] and r["max_trained_lag"] <= 4 for r in report["runs"][1:])
+
+
+@pytest.mark.slow
+def test_scaling_benchmark_quick_run(tmp_path: Path) -> None:
+    """--quick runs N = 1 and 3 at max_lag 0 and 2 and reports table, JSON and plot; the runs
+    keep the accounting identity and the lag bound. Its timings are not judged here."""
+    out, plot = tmp_path / "scaling.json", tmp_path / "scaling.png"
+    done = subprocess.run(
+        [sys.executable, "benchmarks/scaling.py", "--quick", "--out", str(out), "--plot", str(plot)],
+        cwd=REPO, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.strip().splitlines()
+    assert any(line.startswith("| profile | engines | max_lag | step s | ideal s | measured/ideal |") for line in lines)
+    rows = [line for line in lines if re.match(r"\| seed \| [13] \| [02] \|", line)]
+    assert len(rows) == 4
+    assert re.fullmatch(r"worst_async_ratio_vs_ideal: \d+\.\d\d", lines[-1])
+    assert plot.stat().st_size > 10_000
+    report = json.loads(out.read_text())
+    assert {(r["engines"], r["max_lag"]) for r in report["runs"]} == {(1, 0), (1, 2), (3, 0), (3, 2)}
+    for run in report["runs"]:
+        assert run["identity_holds"] and run["max_trained_lag"] <= run["max_lag"]
+        assert run["steps_measured"] == 3
+        assert run["compute_seconds"] >= run["t"], "the simulated step takes at least T"
+        assert run["ideal_seconds"] == pytest.approx(run["g1"] / run["engines"] + run["t"] + run["s"] if run["max_lag"] == 0
+                                                     else max(run["g1"] / run["engines"], run["t"] + run["s"]))  # fmt: skip
+    assert report["worst_async_ratio_vs_ideal"] == max(r["ratio"] for r in report["runs"] if r["max_lag"] > 0)
+
+
+@pytest.mark.slow
+@pytest.mark.s3
+def test_weightsync_benchmark_quick_run(tmp_path: Path) -> None:
+    out = tmp_path / "weightsync.json"
+    done = subprocess.run([sys.executable, "benchmarks/weightsync.py", "--quick", "--out", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.strip().splitlines()
+    assert "| storage | model | MB | tandem s (publish -> all engines on v) | raw copy s | ratio |" in lines
+    assert re.fullmatch(r"worst_sync_ratio_vs_raw: \d+\.\d\d", lines[-1])
+    report = json.loads(out.read_text())
+    assert {(r["backend"], r["model"]) for r in report["runs"]} == {("file", "tiny"), ("s3", "tiny")}
+    assert all(r["tandem_seconds"] > 0 and r["raw_seconds"] > 0 for r in report["runs"])
