@@ -62,6 +62,8 @@ def raw_copy(store, files: list[Path], repeat: int, scratch: Path) -> float:
     fs, base = store.fs, f"{store.base}/raw{repeat}"
     target = scratch / f"raw{repeat}"
     target.mkdir(parents=True)
+    if store.protocol == "file":
+        fs.makedirs(base, exist_ok=True)  # a local filesystem needs the directory; S3 has none
     started = time.monotonic()
     for path in files:
         fs.put_file(str(path), f"{base}/{path.name}")
