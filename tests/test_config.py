@@ -64,7 +64,7 @@ BAD_CONFIGS = [
     ("run_id: ../x\n", [], "run_id"),
     ("run_id: a/b\n", [], "run_id"),
     (f"run_id: {'r' * 65}\n", [], "run_id"),
-    ("engine:\n  backend: tpu\n", [], "engine.backend: Input should be 'cpu' or 'sglang'"),
+    ("engine:\n  backend: tpu\n", [], "engine.backend: Input should be 'cpu', 'sglang' or 'sim'"),
     ("generation:\n  temperature: -0.5\n", [], "generation.temperature"),
     ("storage:\n  root: ftp://host/x\n", [], "storage.root"),
     ("model:\n  hidden_size: 100\n  num_heads: 3\n", [], "num_heads (3) must divide hidden_size"),
