@@ -34,8 +34,34 @@ def _default_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+def descendants(pid: int) -> list[int]:
+    """Every living process below `pid` (from /proc), children first."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, frontier = [], [pid]
+    while frontier:
+        frontier = [c for p in frontier for c in children.get(p, [])]
+        found += frontier
+    return found
+
+
 def stop_process_group(process: subprocess.Popen, grace_s: float = 10.0) -> None:
-    """SIGTERM the group `process` leads, then SIGKILL it if it is still there after `grace_s`."""
+    """SIGTERM the group `process` leads, then SIGKILL it if it is still there after `grace_s`.
+
+    Processes it started in sessions of their own (a worker's flow runs, their engines) are
+    found through /proc and their groups stopped too: they would outlive it otherwise."""
+    for pid in descendants(process.pid) if process.poll() is None else []:
+        try:
+            group = os.getpgid(pid)
+            if group != process.pid:
+                os.killpg(group, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
     if process.poll() is None:
         for signum, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
             try:
