@@ -2,7 +2,7 @@
 
 Prefect sees coarse units: one `generate_chunk` task run per `generation.prompts_per_chunk`
 groups, with retries. Inside it the groups fan out as plain Dask work on the flow's own cluster
-(`get_dask_client`), because a Prefect task run costs about 100 times a Dask task. Several chunks
+(`worker_client`), because a Prefect task run costs about 100 times a Dask task. Several chunks
 stay in flight so that the engines' batches stay full while a chunk's slowest episode finishes.
 
 Between chunks the flow restarts dead engines on the current snapshot and loads newer snapshots
@@ -19,12 +19,13 @@ import math
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-from distributed import as_completed, get_worker, rejoin, secede
+from distributed import as_completed, worker_client
 from prefect import flow, task
 from prefect.cache_policies import NONE
-from prefect_dask import DaskTaskRunner, get_dask_client
+from prefect_dask import DaskTaskRunner
 
 from configs.schema import RunConfig
 from infra.engines.fleet import EngineFleet
@@ -50,26 +51,21 @@ def generate_chunk(specs: list[GroupSpec]) -> list[GroupResult]:
     No task timeout: Prefect cannot interrupt a Dask worker thread. Every engine request inside
     carries its own (engine.request_timeout_s), which is what bounds a chunk.
 
-    The chunk runs on a Dask worker thread and waits for its groups, which need worker threads
-    too: it secedes from the worker's thread pool while it waits, or a few chunks in flight
-    would hold every thread and wait forever on groups that cannot start."""
-    with get_dask_client() as client:
-        futures = client.map(generate_group, specs, pure=False)
-        seceded = _secede_if_on_worker()
-        try:
-            return [future.result() for future in as_completed(futures)]
-        finally:
-            if seceded:
-                rejoin()
+    The groups are submitted through the worker's own client (`worker_client`), which also
+    secedes this thread from the worker's pool while it waits: the groups need worker threads
+    too, and a few chunks in flight would otherwise hold every thread and wait forever.
+    prefect_dask's `get_dask_client` is not used here: it opens a temporary Client per call,
+    which becomes the process's default, and a chunk that starts while another closes its
+    client is handed the closed one (PrefectHQ/prefect#17334), failing the chunk."""
+    return fan_out(generate_group, specs)
 
 
-def _secede_if_on_worker() -> bool:
-    try:
-        get_worker()
-    except ValueError:
-        return False
-    secede()
-    return True
+def fan_out(function: Callable, items: list) -> list:
+    """`function` over `items` as plain Dask tasks on the cluster the calling task runs on;
+    the results in the order they finish."""
+    with worker_client() as client:
+        futures = client.map(function, items, pure=False)
+        return [future.result() for future in as_completed(futures)]
 
 
 def dask_task_runner(config: RunConfig) -> DaskTaskRunner:

@@ -20,7 +20,9 @@ from pathlib import Path
 
 import pytest
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, FlowRunFilter, FlowRunFilterParentFlowRunId
+from prefect.client.schemas.filters import (
+    ArtifactFilter, ArtifactFilterKey, FlowRunFilter, FlowRunFilterParentFlowRunId, LogFilter, LogFilterFlowRunId, LogFilterLevel,
+)  # fmt: skip
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from configs import TINY_CONFIG, load_config
@@ -80,6 +82,18 @@ class Deployment:
             runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[uuid.UUID(flow_run_id)])))
         return [(flow_names[r.flow_id], r) for r in runs]
 
+    def explain(self, flow_run_id: str) -> str:
+        """Each child's state and message, and the warnings and errors each one that did not
+        complete logged: what an assertion about the children prints when it fails."""
+        lines = []
+        with self.client() as client:
+            for name, run in self.children(flow_run_id):
+                lines.append(f"{name} {run.name}: {run.state.name} {run.state.message or ''}")
+                if not run.state.is_completed():
+                    logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id]), level=LogFilterLevel(ge_=30)))
+                    lines += [f"    {log.message[-2000:]}" for log in logs[-5:]]
+        return "\n".join(lines)
+
     def store(self, run_id: str):
         from configs.schema import StorageConfig
 
@@ -131,7 +145,7 @@ def finished(deployment):
 
 def test_deployed_run_completes_on_two_pools(deployment, finished):
     run_id, parent = finished
-    assert parent.state.is_completed(), parent.state.message
+    assert parent.state.is_completed(), f"{parent.state.message}\n{deployment.explain(str(parent.id))}"
     children = deployment.children(str(parent.id))
     pools = {name: {r.work_pool_name for _, r in children if _ == name} for name, _ in children}
     assert pools["training"] == {"training"} and pools["generation"] == {"inference"}
@@ -220,9 +234,9 @@ def test_scale_up_and_down_mid_run(deployment):
     _wait(lambda: any(parse_shard_key(k).producer == "gen1" for k in list_shards(store)), 300, "gen1 to commit a shard")
     deployment.cli(_bin("tandem"), "scale", run_id, "--generators", "1")
     parent = deployment.wait_final(flow_run_id, timeout=600)
-    assert parent.state.is_completed(), parent.state.message
+    assert parent.state.is_completed(), f"{parent.state.message}\n{deployment.explain(flow_run_id)}"
     generations = [r for name, r in deployment.children(flow_run_id) if name == "generation"]
-    assert len(generations) == 2 and all(r.state.is_completed() for r in generations)
+    assert len(generations) == 2 and all(r.state.is_completed() for r in generations), deployment.explain(flow_run_id)
     assert {parse_shard_key(k).producer for k in list_shards(store)} == {"gen0", "gen1"}
     report = json.loads(store.read_bytes("summary.json"))
     assert report["identity_holds"] and report["max_trained_lag"] <= 1 and report["steps"] == 24
@@ -237,9 +251,9 @@ def test_killed_generation_run_is_restarted(deployment):
     victim = started[-1]["pid"]
     os.kill(victim, signal.SIGKILL)
     parent = deployment.wait_final(flow_run_id, timeout=600)
-    assert parent.state.is_completed(), parent.state.message
+    assert parent.state.is_completed(), f"{parent.state.message}\n{deployment.explain(flow_run_id)}"
     generations = [r for name, r in deployment.children(flow_run_id) if name == "generation"]
-    assert sorted(r.state.name for r in generations) == ["Completed", "Crashed"]
+    assert sorted(r.state.name for r in generations) == ["Completed", "Crashed"], deployment.explain(flow_run_id)
     report = json.loads(store.read_bytes("summary.json"))
     assert report["identity_holds"] and report["steps"] == 16 and report["max_trained_lag"] <= 1
     ledger = json.loads(store.read_bytes("lag/ledger.json"))
@@ -254,9 +268,9 @@ def test_autoscale_adds_a_generator_while_the_trainer_waits(deployment):
                  "prefect.autoscale.max_generator_wait=0.99", "prefect.autoscale.cooldown_seconds=5"]  # fmt: skip
     flow_run_id = deployment.start_pipeline(deployment.config(run_id, "training.steps=20", *autoscale))
     parent = deployment.wait_final(flow_run_id, timeout=600)
-    assert parent.state.is_completed(), parent.state.message
+    assert parent.state.is_completed(), f"{parent.state.message}\n{deployment.explain(flow_run_id)}"
     generations = [r for name, r in deployment.children(flow_run_id) if name == "generation"]
-    assert len(generations) == 2, "a trainer idle more than 1% of the time gets a second generator, and no third (max 2)"
+    assert len(generations) == 2, f"a trainer idle 1% of the time gets a second generator and no third (max 2):\n{deployment.explain(flow_run_id)}"
     store = deployment.store(run_id)
     assert {parse_shard_key(k).producer for k in list_shards(store)} == {"gen0", "gen1"}
     assert json.loads(store.read_bytes("summary.json"))["identity_holds"]
