@@ -5,10 +5,12 @@ groups, with retries. Inside it the groups fan out as plain Dask work on the flo
 (`worker_client`), because a Prefect task run costs about 100 times a Dask task. Several chunks
 stay in flight so that the engines' batches stay full while a chunk's slowest episode finishes.
 
-Between chunks the flow restarts dead engines on the current snapshot and loads newer snapshots
-(pause -> load -> continue). It stops when the trainer's published state says done, or when
-it is asked to retire (a scale-down): then it claims nothing more and finishes the chunks it
-has in flight, so that every slot it claimed is committed.
+Between chunks the flow restarts dead engines on the current snapshot, loads newer snapshots
+(pause -> load -> continue) and publishes how many groups it has in flight on each policy
+version, which the trainer reads so that it trains the oldest of them before they go stale.
+It stops when the trainer's published state says done, or when it is asked to retire (a
+scale-down): then it claims nothing more and finishes the chunks it has in flight, so that
+every slot it claimed is committed.
 """
 
 from __future__ import annotations
@@ -19,19 +21,22 @@ import math
 import os
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from distributed import as_completed, worker_client
 from prefect import flow, task
 from prefect.cache_policies import NONE
+from prefect.futures import PrefectFuture
 from prefect_dask import DaskTaskRunner
 
 from configs.schema import RunConfig
 from infra.engines.fleet import EngineFleet
 from infra.storage import open_run_store
 from tasks.generator import GroupResult, GroupSpec, Generator, generate_group, snapshot_dir_for_engines
-from tasks.lag import read_trainer_state, retire_requested
+from tasks.lag import IN_FLIGHT_TTL_SECONDS, publish_in_flight, read_trainer_state, retire_requested, withdraw_in_flight
 from tasks.metrics import MetricsLog
 
 
@@ -112,6 +117,7 @@ def generation(config: RunConfig, producer: str = "gen0") -> dict:
         busy_since, idle_seconds = time.monotonic(), 0.0
         retiring = _RetireCheck(store, producer)
         load = _LoadReport(metrics)
+        reported = _InFlightReport(store, producer)
         while not read_trainer_state(store).done and not (retiring.due() and not generator.orphans):
             if fleet.restart_dead():
                 totals["engine_restarts"] = fleet.restarts
@@ -119,27 +125,55 @@ def generation(config: RunConfig, producer: str = "gen0") -> dict:
             if generator.refresh_weights():
                 totals["weight_updates"] += 1
                 metrics.log("weights_loaded", version=fleet.version)
-            for future in [f for f in in_flight if f.wrapped_future.done()]:
-                in_flight.remove(future)
-                _record(metrics, totals, future.result(), fleet.version)
+            for chunk in [c for c in in_flight if c.future.wrapped_future.done()]:
+                in_flight.remove(chunk)
+                _record(metrics, totals, chunk.future.result(), fleet.version)
             more = len(in_flight) < chunks_in_flight(config)
             specs = generator.claim_specs(config.generation.prompts_per_chunk, new_claims=not retiring.due()) if more else []
             if specs:
-                in_flight.append(dask.submit(generate_chunk, {"specs": specs}))
-            elif not in_flight:
+                in_flight.append(_Chunk(dask.submit(generate_chunk, {"specs": specs}), specs[0].loaded_version, len(specs)))
+            reported.maybe_publish(in_flight)
+            if not specs and not in_flight:
                 idle_started = time.monotonic()
                 time.sleep(POLL_SECONDS)
                 idle_seconds += time.monotonic() - idle_started
-            else:
-                _wait_for_first(in_flight, POLL_SECONDS)
+            elif not specs:
+                _wait_for_first([c.future for c in in_flight], POLL_SECONDS)
             load.maybe_log(idle_seconds, len(in_flight))
-        for future in in_flight:
-            _record(metrics, totals, future.result(), fleet.version)
+        for chunk in in_flight:
+            _record(metrics, totals, chunk.future.result(), fleet.version)
+        withdraw_in_flight(store, producer)
     totals.pop("keys", None)
     totals["retired"] = retiring.requested
     metrics.log("finished", busy_seconds=time.monotonic() - busy_since - idle_seconds, idle_seconds=idle_seconds, **totals)
     metrics.flush()
     return totals
+
+
+@dataclass
+class _Chunk:
+    """A `generate_chunk` run in flight: its future, and the policy version and number of its groups."""
+
+    future: PrefectFuture
+    version: int
+    groups: int
+
+
+class _InFlightReport:
+    """Publishes this generator's groups in flight by policy version (tasks/lag.py
+    `publish_in_flight`) when they change, and at least every third of the record's lifetime,
+    which is how the trainer tells a live generator's record from a dead one's."""
+
+    def __init__(self, store, producer: str):
+        self.store, self.producer, self.published, self.published_at = store, producer, None, 0.0
+
+    def maybe_publish(self, chunks: list[_Chunk]) -> None:
+        groups = Counter()
+        for chunk in chunks:
+            groups[chunk.version] += chunk.groups
+        if groups != self.published or time.monotonic() - self.published_at > IN_FLIGHT_TTL_SECONDS / 3:
+            publish_in_flight(self.store, self.producer, groups)
+            self.published, self.published_at = groups, time.monotonic()
 
 
 class _LoadReport:

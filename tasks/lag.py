@@ -15,6 +15,12 @@ in the step that produces V+1 has lag V - v. Two mechanisms keep every trained g
   so finding the next free slot lists one batch directory, not the whole run's history.
 - **The hard filter** (trainer, when it admits a batch). A group whose lag would exceed max_lag is
   dropped and counted, never trained. Admission makes drops rare; this makes them impossible.
+- **Last chance first** (trainer, same place). Groups on policy V - max_lag are trained in the
+  step that makes V + 1 or never. Before the trainer fills a batch with younger groups, which
+  could wait a step, it waits for the last-chance groups that generators still have in flight:
+  each generator publishes how many groups it has in flight on each policy version
+  (`publish_in_flight`). Without this, one engine interleaving old and new work had its slowest
+  old groups dropped every step and regenerated, which made async as slow as sync.
 
 `max_lag = 0` is synchronous on-policy training: capacity is exactly one batch ahead, and a
 generator only starts a group on the newest weights.
@@ -25,7 +31,7 @@ from __future__ import annotations
 import json
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from infra.storage import RunStore
@@ -74,6 +80,53 @@ def select_batch(
         key=lambda c: (c.policy_version, c.key),
     )
     return (fresh[:groups_per_step] if len(fresh) >= groups_per_step else []), stale
+
+
+def waits_for_last_chance(
+    batch: Sequence[Candidate], trainer_version: int, max_lag: int, in_flight: Callable[[], Mapping[int, int]]
+) -> bool:
+    """Whether to hold `batch` back: it takes a group that could still wait a step, while
+    generators have groups in flight on policy `trainer_version - max_lag`, which cannot.
+
+    `in_flight` (policy version -> groups being generated on it) is only called when the batch
+    has such a younger group: it reads storage, and a trainer with a backlog rarely needs it."""
+    last_chance = trainer_version - max_lag
+    if all(c.policy_version <= last_chance for c in batch):
+        return False
+    return in_flight().get(last_chance, 0) > 0
+
+
+IN_FLIGHT_PREFIX = "lag/inflight"
+IN_FLIGHT_TTL_SECONDS = 30.0
+"""A generator's in-flight record older than this is a dead generator's, and is ignored: the
+trainer waits for its groups at most this long. Live generators rewrite theirs at least every
+third of it (flows/generation.py). Compared against this machine's clock, so hosts must agree on
+the time to within a few seconds, as NTP keeps them."""
+
+
+def publish_in_flight(store: RunStore, producer: str, groups_by_version: Mapping[int, int]) -> None:
+    """Record how many groups `producer` is generating on each policy version, and when."""
+    record = {"at": time.time(), "groups": {str(v): n for v, n in groups_by_version.items() if n}}
+    store.write_atomic(f"{IN_FLIGHT_PREFIX}/{producer}.json", json.dumps(record).encode())
+
+
+def withdraw_in_flight(store: RunStore, producer: str) -> None:
+    """`producer` has nothing in flight any more, and will not report again (it stopped)."""
+    store.delete(f"{IN_FLIGHT_PREFIX}/{producer}.json")
+
+
+def groups_in_flight(store: RunStore) -> dict[int, int]:
+    """Policy version -> groups the run's live generators are generating on it."""
+    totals: dict[int, int] = {}
+    for key in store.list(IN_FLIGHT_PREFIX):
+        try:
+            record = json.loads(store.read_bytes(key))
+        except FileNotFoundError:  # withdrawn between the listing and the read
+            continue
+        if time.time() - record["at"] <= IN_FLIGHT_TTL_SECONDS:
+            for version, count in record["groups"].items():
+                totals[int(version)] = totals.get(int(version), 0) + count
+    return totals
 
 
 @dataclass(frozen=True)

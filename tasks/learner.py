@@ -6,7 +6,9 @@
    gives a version directory that falls out of the window one last look, dropping what is left
    there as stale. Groups are picked oldest first (tasks/lag.py `select_batch`), read and
    validated; a bad shard goes to quarantine and another group takes its place. It waits
-   (polling, counted as idle time) until `prompts_per_step` trainable groups are there.
+   (polling, counted as idle time) until `prompts_per_step` trainable groups are there, and
+   while a batch would take younger groups before the last-chance groups still in flight
+   (tasks/lag.py `waits_for_last_chance`).
 2. Group-normalised advantages, one RL optimizer step (tasks/trainer.py): V becomes V+1.
 3. Every `publish_every` steps a snapshot; then the trainer state (version, groups lost) that
    generators size their admission by; every `checkpoint_every` steps the metrics are flushed
@@ -34,7 +36,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from configs.schema import RunConfig
 from infra.storage import RunStore
 from tasks.checkpoints import latest_checkpoint_step, load_checkpoint, save_checkpoint
-from tasks.lag import Candidate, TrainerState, lag_of, publish_trainer_state, select_batch
+from tasks.lag import Candidate, TrainerState, groups_in_flight, lag_of, publish_trainer_state, select_batch, waits_for_last_chance
 from tasks.loss import group_advantages
 from tasks.metrics import MetricsLog
 from tasks.shards import list_shards, parse_shard_key, read_valid_shards, table_to_rollouts
@@ -114,8 +116,11 @@ class Learner:
         while len(chosen) < groups:
             if should_stop():
                 return None
-            batch, stale = select_batch(self._candidates(exclude=chosen), self.version, self.config.lag.max_lag, groups - len(chosen))
+            max_lag = self.config.lag.max_lag
+            batch, stale = select_batch(self._candidates(exclude=chosen), self.version, max_lag, groups - len(chosen))
             self._drop_stale([c.key for c in stale])
+            if batch and waits_for_last_chance(batch, self.version, max_lag, lambda: groups_in_flight(self.store)):
+                batch = []
             if not batch:
                 time.sleep(poll_seconds)
                 self.poll_seconds += poll_seconds

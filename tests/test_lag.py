@@ -7,22 +7,29 @@ selection against generators and a trainer whose speeds hypothesis draws, tick b
 from __future__ import annotations
 
 import itertools
+import time
+from collections import Counter
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from configs.schema import StorageConfig
 from infra.storage import open_run_store
-from tasks.lag import Candidate, SlotClaims, admission_capacity, lag_of, required_version, select_batch
+from tasks.lag import (
+    Candidate, SlotClaims, admission_capacity, groups_in_flight, lag_of, publish_in_flight, required_version, select_batch,
+    IN_FLIGHT_TTL_SECONDS, waits_for_last_chance, withdraw_in_flight,
+)  # fmt: skip
 from tasks.shards import committed_slots, quarantine_shard, shard_key, write_shard
 from tests.test_shards import make_rollouts
 
 RUNS = itertools.count()
 
 
-def simulate(max_lag: int, per_step: int, steps: int, generator_speeds: list[list[int]], train_ticks: int) -> dict:
+def simulate(max_lag: int, per_step: int, steps: int, generator_speeds: list[list[int]], train_ticks: int,
+             last_chance_first: bool = True) -> dict:
     """Generators claim slots and finish groups after their drawn durations; the trainer takes a
-    batch whenever select_batch gives one. Returns every trained lag and the group counts."""
+    batch whenever select_batch gives one and (with `last_chance_first`) waits_for_last_chance
+    does not hold it back. Returns every trained lag and the group counts."""
     store = open_run_store(StorageConfig(root="memory://lag-sim"), f"run{next(RUNS)}")
     claims = [SlotClaims(store, f"gen{i}", per_step) for i in range(len(generator_speeds))]
     version, latest, lost, trainer_free_at = 0, 0, 0, 0
@@ -40,6 +47,9 @@ def simulate(max_lag: int, per_step: int, steps: int, generator_speeds: list[lis
                 finished.remove(c)
             stale_count += len(stale)
             lost += len(stale)
+            in_flight = lambda: Counter(made_by for _, _, made_by in busy.values())  # noqa: E731
+            if batch and last_chance_first and waits_for_last_chance(batch, version, max_lag, in_flight):
+                batch = []
             if batch:
                 trained_lags += [lag_of(version, c.policy_version) for c in batch]
                 for c in batch:
@@ -77,6 +87,41 @@ def test_no_trained_group_exceeds_max_lag_and_every_group_is_accounted_for(max_l
     assert result["generated"] == result["trained"] + result["stale"] + result["pending"]
     if max_lag == 0:
         assert set(result["lags"]) == {0}, "max_lag 0 must train on-policy samples only"
+
+
+def test_last_chance_groups_in_flight_are_waited_for_instead_of_going_stale():
+    """One slow group in four, generation slower than training: taking the younger groups that
+    are ready first sends the slow old ones past the bound every step; waiting for them does not."""
+    speeds, run = [[3, 3, 3, 14]] * 4, dict(max_lag=1, per_step=4, steps=6, train_ticks=2)
+    eager = simulate(**run, generator_speeds=speeds, last_chance_first=False)
+    patient = simulate(**run, generator_speeds=speeds)
+    assert eager["stale"] > 0
+    assert patient["stale"] == 0 and patient["version"] == 6
+
+
+def test_a_batch_of_younger_groups_waits_only_for_last_chance_groups_in_flight():
+    asked = []
+
+    def in_flight(groups):
+        return lambda: asked.append(True) or groups
+
+    young, old = [Candidate("y", 4)], [Candidate("o", 3)]
+    assert waits_for_last_chance(young, trainer_version=4, max_lag=1, in_flight=in_flight({3: 2}))
+    assert not waits_for_last_chance(young, 4, 1, in_flight({4: 5, 2: 1})), "only version V - max_lag is last chance"
+    asked.clear()
+    assert not waits_for_last_chance(old, 4, 1, in_flight({3: 2})) and not asked, "all last-chance: no storage read"
+    assert not waits_for_last_chance(young, 4, 0, in_flight({4: 2})) and not asked, "max_lag 0: every group is last chance"
+
+
+def test_in_flight_records_add_up_over_live_generators_and_ignore_dead_ones(file_store, monkeypatch):
+    publish_in_flight(file_store, "gen0", {3: 2, 4: 8})
+    publish_in_flight(file_store, "gen1", {3: 1, 5: 0})
+    assert groups_in_flight(file_store) == {3: 3, 4: 8}
+    withdraw_in_flight(file_store, "gen1")
+    assert groups_in_flight(file_store) == {3: 2, 4: 8}
+    later = time.time() + IN_FLIGHT_TTL_SECONDS + 1
+    monkeypatch.setattr(time, "time", lambda: later)
+    assert groups_in_flight(file_store) == {}, "a record older than its lifetime is a dead generator's"
 
 
 def test_capacity_and_required_version_are_inverse():
