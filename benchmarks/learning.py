@@ -32,7 +32,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from configs import TINY_CONFIG, load_config  # noqa: E402
-from infra.engines.cpu import CpuEngine, GenerationJob  # noqa: E402
+from infra.engines.cpu import CpuEngine  # noqa: E402
+from infra.engines.scheduler import GenerationJob  # noqa: E402
 from infra.modelfactory import load_model, load_tokenizer, prepare_initial_model  # noqa: E402
 from tasks.envs import load_environment  # noqa: E402
 from tasks.loss import group_advantages  # noqa: E402

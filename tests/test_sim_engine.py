@@ -11,7 +11,7 @@ import pytest
 
 from configs.schema import SimLatencyConfig
 from infra.engines.api import SamplingParams
-from infra.engines.cpu import GenerationJob
+from infra.engines.scheduler import GenerationJob
 from infra.engines.sim import SimEngine
 from tests.conftest import committed_model_dir
 

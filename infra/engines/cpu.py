@@ -1,9 +1,9 @@
 """tandem's CPU engine core: continuous batching over an HF causal LM and its KV cache.
 
-`CpuEngine` owns the model and runs one scheduler thread. HTTP handlers (server.py) never touch
-the model: they `submit` a `GenerationJob` and wait on its future, and they send weight updates,
-pauses and aborts as commands that the scheduler applies between two decode steps. So a weight
-swap never races a forward pass, and no lock is held while the model computes.
+`CpuEngine` owns the model and runs one scheduler thread (scheduler.py `ScheduledEngine`, shared
+with the simulated engine). HTTP handlers (server.py) never touch the model: they submit jobs and
+send weight updates, pauses and aborts as commands that the scheduler applies between two decode
+steps. So a weight swap never races a forward pass, and no lock is held while the model computes.
 
 Batching is continuous at step granularity. Every running sequence sits in one `RunningBatch`
 whose DynamicCache rows are left-padded to a common length. At each step boundary the scheduler
@@ -18,14 +18,7 @@ the sampled token, as SGLang returns by default: exactly what the trainer recomp
 
 from __future__ import annotations
 
-import logging
-import queue
-import threading
-import time
 from collections import Counter
-from collections.abc import Callable
-from concurrent.futures import Future
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -33,39 +26,8 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from infra.engines.api import SamplingParams
+from infra.engines.scheduler import GenerationJob, Sample, ScheduledEngine
 from infra.manifest import ManifestError, verify_local_dir
-
-log = logging.getLogger(__name__)
-
-
-@dataclass(eq=False)
-class GenerationJob:
-    """One /generate request: a prompt sampled `params.n` times."""
-
-    rid: str
-    input_ids: list[int]
-    params: SamplingParams
-    future: Future = field(default_factory=Future)
-    submitted_at: float = field(default_factory=time.monotonic)
-    aborted: bool = False
-    samples: list[Sample] = field(default_factory=list)
-    weight_version: str = ""
-
-
-@dataclass(eq=False)
-class Sample:
-    """One sequence being generated for a job (sample `index` of its n)."""
-
-    job: GenerationJob
-    index: int
-    generator: torch.Generator | None
-    output_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    finish_reason: dict | None = None
-
-    @property
-    def context_length(self) -> int:
-        return len(self.job.input_ids) + len(self.output_ids)
 
 
 class RunningBatch:
@@ -116,13 +78,11 @@ def _pad_left(tensor: torch.Tensor, width: int) -> torch.Tensor:
     return F.pad(tensor, pad)
 
 
-class CpuEngine:
+class CpuEngine(ScheduledEngine):
     """An HF causal LM served with continuous batching on one scheduler thread."""
 
     def __init__(self, model_path: str | Path, max_batch_size: int = 32, weight_version: str = "default"):
-        self.model_path = str(model_path)
-        self.max_batch_size = max_batch_size
-        self.weight_version = weight_version
+        super().__init__(model_path, max_batch_size, weight_version)
         self.model = AutoModelForCausalLM.from_pretrained(self.model_path).eval()
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.vocab_size = self.model.config.vocab_size
@@ -130,42 +90,14 @@ class CpuEngine:
         self.eos_token_ids = _eos_ids(self.model)
         layer_types = getattr(self.model.config, "layer_types", None) or ["full_attention"]
         self.full_attention_only = all(kind == "full_attention" for kind in layer_types)
-        self.waiting: queue.SimpleQueue[GenerationJob] = queue.SimpleQueue()
-        self.commands: queue.SimpleQueue[tuple[Callable[[], object], Future]] = queue.SimpleQueue()
-        self.wake = threading.Event()
-        self.paused = False
         self.batch: RunningBatch | None = None
         self.backlog: list[Sample] = []
         self.batch_sizes: Counter[int] = Counter()
         self.prefill_sizes: Counter[int] = Counter()
         self.tokens_generated = 0
-        self.running = True
-        self.thread = threading.Thread(target=self._schedule, name="cpu-engine", daemon=True)
-        self.thread.start()
+        self.start_scheduler()
 
-    # -- the API the HTTP server calls (thread-safe) -----------------------------------------
-
-    def submit(self, job: GenerationJob) -> Future:
-        """Queue a job; its future resolves to a list of n result dicts."""
-        self.waiting.put(job)
-        self.wake.set()
-        return job.future
-
-    def run_command(self, command: Callable[[], object]) -> Future:
-        """Run `command` on the scheduler thread between two steps; resolves to its result."""
-        future: Future = Future()
-        self.commands.put((command, future))
-        self.wake.set()
-        return future
-
-    def pause(self, mode: str) -> int:
-        """Stop stepping; with mode "abort", also end every request with finish_reason abort."""
-        self.paused = True
-        return self.abort(abort_all=True) if mode == "abort" else 0
-
-    def resume(self) -> None:
-        self.paused = False
-        self.wake.set()
+    # -- the API the HTTP server calls (thread-safe), beside ScheduledEngine's ------------------
 
     def abort(self, rid: str | None = None, abort_all: bool = False) -> int:
         """Mark matching requests aborted; the scheduler finishes them at the next step."""
@@ -212,40 +144,23 @@ class CpuEngine:
             "prefill_batch_sizes": {str(k): v for k, v in sorted(self.prefill_sizes.items())},
         }
 
-    def shutdown(self) -> None:
-        self.running = False
-        self.wake.set()
-        self.thread.join(timeout=10)
+    # -- the scheduler thread's steps -------------------------------------------------------
 
-    # -- the scheduler thread ----------------------------------------------------------------
+    def _collect_work(self) -> bool:
+        self._drain_waiting()
+        self._finish_aborted()
+        return bool(self.batch or self.backlog)
 
-    def _schedule(self) -> None:
-        torch.set_grad_enabled(False)
-        while self.running:
-            self._run_commands()
-            self._drain_waiting()
-            self._finish_aborted()
-            if self.paused or not (self.batch or self.backlog):
-                self.wake.wait(0.5)
-                self.wake.clear()
-                continue
-            try:
-                self._admit()
-                self._decode_step()
-            except Exception as err:  # a failed forward must fail its requests, not the server
-                log.exception("engine step failed")
-                for sample in (self.batch.samples if self.batch else []) + self.backlog:
-                    if not sample.job.future.done():
-                        sample.job.future.set_exception(err)
-                self.batch, self.backlog = None, []
+    @torch.no_grad()
+    def _step(self) -> None:
+        self._admit()
+        self._decode_step()
 
-    def _run_commands(self) -> None:
-        while not self.commands.empty():
-            command, future = self.commands.get()
-            try:
-                future.set_result(command())
-            except Exception as err:
-                future.set_exception(err)
+    def _fail_running(self, err: Exception) -> None:
+        for sample in (self.batch.samples if self.batch else []) + self.backlog:
+            if not sample.job.future.done():
+                sample.job.future.set_exception(err)
+        self.batch, self.backlog = None, []
 
     def _drain_waiting(self) -> None:
         while not self.waiting.empty():

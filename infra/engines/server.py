@@ -35,7 +35,8 @@ from infra.engines.api import (
     UpdateWeightsFromDiskRequest,
 )
 from configs.schema import SimLatencyConfig
-from infra.engines.cpu import CpuEngine, GenerationJob
+from infra.engines.cpu import CpuEngine
+from infra.engines.scheduler import GenerationJob, ScheduledEngine
 from infra.engines.sim import SimEngine
 
 log = logging.getLogger(__name__)
@@ -107,7 +108,7 @@ class RequireApiKey:
         return await self.app(scope, receive, send)
 
 
-def create_app(engine: CpuEngine | SimEngine, api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+def create_app(engine: ScheduledEngine, api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     """The FastAPI app serving `engine`; `api_key` (if set) is required on every route but /health."""
     app = FastAPI(title="tandem CPU engine", version="1")
     if api_key:
@@ -203,7 +204,7 @@ def _invalid(errors: list[dict], prefix: list = ()) -> JSONResponse:
     return JSONResponse({"error": "invalid request", "detail": problems}, status_code=422)
 
 
-def _result(engine: CpuEngine | SimEngine, job: GenerationJob, sample, return_logprob: bool, started: float) -> dict:
+def _result(engine: ScheduledEngine, job: GenerationJob, sample, return_logprob: bool, started: float) -> dict:
     meta = {
         "id": job.rid if job.params.n == 1 else f"{job.rid}-{sample.index}",
         "finish_reason": sample.finish_reason,

@@ -20,37 +20,31 @@ cost almost no CPU while each takes the time a GPU would:
   engine's. Outputs are seeded by the request's sampling_seed and the weight version, so they
   change when the weights do.
 
-Like the CPU engine, one scheduler thread does all the work; HTTP handlers only submit jobs and
-commands. Time is real (the thread sleeps), so a client measures what it would against a GPU.
+Like the CPU engine, one scheduler thread does all the work (scheduler.py `ScheduledEngine`);
+HTTP handlers only submit jobs and commands. Time is real (the thread sleeps), so a client measures what it would against a GPU.
 """
 
 from __future__ import annotations
 
 import math
-import queue
 import random
-import threading
 import time
 from collections import Counter
-from collections.abc import Callable
-from concurrent.futures import Future
 from pathlib import Path
 
 from transformers import AutoConfig, AutoTokenizer
 
 from configs.schema import SimLatencyConfig
-from infra.engines.cpu import GenerationJob, Sample
+from infra.engines.scheduler import GenerationJob, Sample, ScheduledEngine
 from infra.manifest import ManifestError, verify_local_dir
 
 
-class SimEngine:
+class SimEngine(ScheduledEngine):
     """An engine that sleeps like a GPU and emits valid random tokens."""
 
     def __init__(self, model_path: str | Path, latency: SimLatencyConfig, max_batch_size: int = 256, weight_version: str = "default"):
-        self.model_path = str(model_path)
+        super().__init__(model_path, max_batch_size, weight_version)
         self.latency = latency
-        self.max_batch_size = max_batch_size
-        self.weight_version = weight_version
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         config = AutoConfig.from_pretrained(self.model_path)
         self.vocab_size = config.vocab_size
@@ -59,10 +53,6 @@ class SimEngine:
         self.eos_token_id = self.tokenizer.eos_token_id
         self.token_ids = [t for t in range(self.vocab_size) if t not in special]
         self.logprob = -math.log(len(self.token_ids))
-        self.waiting: queue.SimpleQueue[GenerationJob] = queue.SimpleQueue()
-        self.commands: queue.SimpleQueue[tuple[Callable[[], object], Future]] = queue.SimpleQueue()
-        self.wake = threading.Event()
-        self.paused = False
         self.running_samples: list[Sample] = []
         self.lengths: dict[int, int] = {}
         """id(sample) -> the length it will end at."""
@@ -71,30 +61,9 @@ class SimEngine:
         self.busy_seconds = 0.0
         self.batch_sizes: Counter[int] = Counter()
         self._choices_by_stops: dict[tuple[int, ...], list[int]] = {}
-        self.running = True
-        self.thread = threading.Thread(target=self._schedule, name="sim-engine", daemon=True)
-        self.thread.start()
+        self.start_scheduler()
 
-    # -- the API the HTTP server calls (thread-safe), as CpuEngine's ---------------------------
-
-    def submit(self, job: GenerationJob) -> Future:
-        self.waiting.put(job)
-        self.wake.set()
-        return job.future
-
-    def run_command(self, command: Callable[[], object]) -> Future:
-        future: Future = Future()
-        self.commands.put((command, future))
-        self.wake.set()
-        return future
-
-    def pause(self, mode: str) -> int:
-        self.paused = True
-        return self.abort(abort_all=True) if mode == "abort" else 0
-
-    def resume(self) -> None:
-        self.paused = False
-        self.wake.set()
+    # -- the API the HTTP server calls (thread-safe), beside ScheduledEngine's ------------------
 
     def abort(self, rid: str | None = None, abort_all: bool = False) -> int:
         def mark() -> int:
@@ -132,28 +101,21 @@ class SimEngine:
             "latency_model": self.latency.model_dump(),
         }  # fmt: skip
 
-    def shutdown(self) -> None:
-        self.running = False
-        self.wake.set()
-        self.thread.join(timeout=10)
+    # -- the scheduler thread's steps -------------------------------------------------------
 
-    # -- the scheduler thread ----------------------------------------------------------------
+    def _collect_work(self) -> bool:
+        return bool(self.running_samples) or not self.waiting.empty()
 
-    def _schedule(self) -> None:
-        while self.running:
-            while not self.commands.empty():
-                command, future = self.commands.get()
-                try:
-                    future.set_result(command())
-                except Exception as err:
-                    future.set_exception(err)
-            if self.paused or (not self.running_samples and self.waiting.empty()):
-                self.wake.wait(0.5)
-                self.wake.clear()
-                continue
-            prefill_tokens = self._admit_waiting(limit=self.max_batch_size)
-            if self.running_samples:
-                self._step(prefill_tokens)
+    def _step(self) -> None:
+        prefill_tokens = self._admit_waiting(limit=self.max_batch_size)
+        if self.running_samples:
+            self._decode_step(prefill_tokens)
+
+    def _fail_running(self, err: Exception) -> None:
+        for job in {s.job for s in self.running_samples}:
+            if not job.future.done():
+                job.future.set_exception(err)
+        self.running_samples, self.lengths, self.rngs = [], {}, {}
 
     def _admit_waiting(self, limit: int | None) -> int:
         """Move waiting jobs' samples into the running set (up to `limit` sequences); returns the
@@ -185,7 +147,7 @@ class SimEngine:
             return f"greedy-{job.input_ids}-{index}-{self.weight_version}"
         return None
 
-    def _step(self, prefill_tokens: int) -> None:
+    def _decode_step(self, prefill_tokens: int) -> None:
         """One decode step of every running sequence, taking the model's time."""
         seconds = self.latency.decode_base_s + self.latency.decode_s_per_seq * len(self.running_samples)
         seconds += self.latency.prefill_s_per_token * prefill_tokens
