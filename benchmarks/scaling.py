@@ -10,14 +10,21 @@ whose step takes T (`training.simulate_step_seconds`, a real optimizer step insi
 engines take S to load a snapshot. Profiles are slime's scaled down 100x, and a generation-heavy
 agentic one; any G1/T/S can be given.
 
-Per run (N engines, max_lag) it reports the median steady-state step time, the trainer's idle
+Per run (N engines, max_lag) it reports the steady-state step time, the trainer's idle
 fraction, the generators' idle fraction (no group in flight), and tandem's own overhead per step
 (the trainer's step interval minus its pure waiting and its simulated compute: listing, reading
 and validating shards, publishing, checkpointing, Prefect task runs), beside the ideal:
-sync = G1/N + T + S, async = max(G1/N, T + S). The last line is `worst_async_ratio_vs_ideal: X`.
+sync = G1/N + T + S, async = max(G1/N, T + S). The step time compared with the ideal is the
+mean over the measured steps (their span / their count), which is the run's throughput; the
+median is reported beside it, but an async run trains in bursts (a backlog of max_lag + 1
+batches, then a wait), and the median of a burst pattern is its short interval. Sync runs also
+report the median batch generation span (first group started -> last committed), which is
+what G1/N stands for in the ideal. Async runs skip max_lag + 1 warm-up steps (at least
+--warmup; --quick skips 1 everywhere), the start-up backlog that admission lets them build. The last line is
+`worst_async_ratio_vs_ideal: X`.
 
 Usage: python benchmarks/scaling.py [--quick] [--out FILE] [--plot FILE] [--g1 S --t S --s S]
-       [--engines 1,2,3,4] [--steps K] [--warmup K] [--time-scale F]
+       [--engines 1,2,3,4] [--lags 0,1,2] [--steps K] [--warmup K] [--time-scale F]
 """
 
 from __future__ import annotations
@@ -133,7 +140,9 @@ def measure(run_dir: Path, warmup: int) -> dict:
     groups = [g for g in groups if g["event"] == "group" and "started_at" in g]
     summary = json.loads((run_dir / "summary.json").read_text())
     return {
-        "step_seconds": statistics.median(intervals),
+        "step_seconds": sum(intervals) / len(intervals),
+        "median_step_seconds": statistics.median(intervals),
+        "generation_span_seconds": statistics.median(_batch_spans(groups, [r["version"] for r in steady])),
         "trainer_idle": sum(r["wait_seconds"] for r in steady) / sum(intervals),
         "generator_idle": 1 - _covered(groups, *window) / (window[1] - window[0]),
         "overhead_seconds": statistics.median(overheads),
@@ -141,6 +150,18 @@ def measure(run_dir: Path, warmup: int) -> dict:
         "identity_holds": summary["identity_holds"], "max_trained_lag": summary["max_trained_lag"],
         "steps_measured": len(steady),
     }  # fmt: skip
+
+
+def _batch_spans(groups: list[dict], versions: list[int]) -> list[float]:
+    """Seconds from the first start to the last commit of the groups in the slots of each batch
+    that steps `versions` trained (batch v - 1: what a sync step trains; in an async run batches
+    overlap, and the span is a batch's latency, not a share of the step)."""
+    spans = []
+    for version in versions:
+        batch = [g for g in groups if g["slot"] // PROMPTS_PER_STEP == version - 1]
+        if batch:
+            spans.append(max(g["finished_at"] for g in batch) - min(g["started_at"] for g in batch))
+    return spans or [float("nan")]
 
 
 def _covered(groups: list[dict], start: float, end: float) -> float:
@@ -162,19 +183,23 @@ def plan(args) -> list[tuple[Profile, int, int]]:
         profiles = {PROFILES["seed"]: [0, 2]}
     else:
         profiles = {PROFILES["seed"]: [0, 1, 2], PROFILES["agentic"]: [0, 2]}
+    if args.lags:
+        profiles = {p: [int(lag) for lag in args.lags.split(",")] for p in profiles}
     engines = [1, 3] if args.quick else [int(n) for n in args.engines.split(",")]
     return [(p.scaled(args.time_scale), n, lag) for p, lags in profiles.items() for n in engines for lag in lags]
 
 
 def print_table(results: list[dict]) -> None:
-    print("| profile | engines | max_lag | step s | ideal s | measured/ideal | trainer idle | generator idle | overhead s/step | overhead % | slime s |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| profile | engines | max_lag | step s | median s | ideal s | measured/ideal | batch generation s | G1/N s "
+          "| trainer idle | generator idle | overhead s/step | overhead % | slime s |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in results:
         mode = "sync" if r["max_lag"] == 0 else "async"
         slime = SEED_POINTS.get(r["engines"], {}).get(mode) if r["profile"] == "seed" else None
         slime = slime * r["g1"] / PROFILES["seed"].g1 if slime is not None else None  # in the run's time scale
-        print(f"| {r['profile']} | {r['engines']} | {r['max_lag']} | {r['step_seconds']:.2f} | {r['ideal_seconds']:.2f} "
-              f"| {r['ratio']:.2f} | {r['trainer_idle']:.2f} | {r['generator_idle']:.2f} | {r['overhead_seconds']:.3f} "
+        span = f"{r['generation_span_seconds']:.2f}" if mode == "sync" else ""
+        print(f"| {r['profile']} | {r['engines']} | {r['max_lag']} | {r['step_seconds']:.2f} | {r['median_step_seconds']:.2f} "
+              f"| {r['ideal_seconds']:.2f} | {r['ratio']:.2f} | {span} | {r['g1'] / r['engines']:.2f} | {r['trainer_idle']:.2f} | {r['generator_idle']:.2f} | {r['overhead_seconds']:.3f} "
               f"| {100 * r['overhead_seconds'] / r['step_seconds']:.1f}% | {'' if slime is None else f'{slime:.2f}'} |")  # fmt: skip
 
 
@@ -220,8 +245,10 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="Write every measurement as JSON here.")
     parser.add_argument("--plot", type=Path, default=Path("scaling.png"), help="PNG of step time against engines.")
     parser.add_argument("--engines", default="1,2,3,4", help="Engine counts to run (comma-separated).")
+    parser.add_argument("--lags", help="max_lag values to run on every profile (comma-separated; default: the issue's plan).")
     parser.add_argument("--steps", type=int, default=8, help="Steady-state steps measured per run.")
-    parser.add_argument("--warmup", type=int, default=1, help="Steps run first and not measured (start-up).")
+    parser.add_argument("--warmup", type=int, default=1,
+                        help="Steps run first and not measured (start-up); async runs skip at least max_lag + 1.")  # fmt: skip
     parser.add_argument("--g1", type=float, help="Custom profile: seconds one engine takes per batch.")
     parser.add_argument("--t", type=float, default=6.5, help="Custom profile: seconds of a training step.")
     parser.add_argument("--s", type=float, default=0.3, help="Custom profile: seconds of a weight sync.")
@@ -239,13 +266,14 @@ def main() -> None:
     try:
         for i, (profile, engines, lag) in enumerate(runs, 1):
             console.print(f"[{i}/{len(runs)}] {profile.name}: {engines} engine(s), max_lag {lag} ({time.monotonic() - started:.0f} s so far)")
-            measured = run_once(profile, engines, lag, steps, warmup, root / "runs", env, latency_for(profile, snapshot_bytes))
+            skipped = warmup if lag == 0 or args.quick else max(warmup, lag + 1)
+            measured = run_once(profile, engines, lag, steps, skipped, root / "runs", env, latency_for(profile, snapshot_bytes))
             ideal = profile.ideal(engines, sync=lag == 0)
             results.append({"profile": profile.name, **asdict(profile), "engines": engines, "max_lag": lag,
-                            "ideal_seconds": ideal, "ratio": measured["step_seconds"] / ideal, **measured})  # fmt: skip
+                            "warmup": skipped, "ideal_seconds": ideal, "ratio": measured["step_seconds"] / ideal, **measured})  # fmt: skip
     finally:
         server.stop()
-    print(f"\n{steps} steady-state steps per run after {warmup} warm-up; batch {PROMPTS_PER_STEP} prompts x {SAMPLES} samples; "
+    print(f"\n{steps} steady-state steps per run after {warmup} warm-up (async: max_lag + 1); batch {PROMPTS_PER_STEP} prompts x {SAMPLES} samples; "
           f"times x{args.time_scale:g} of the profiles'\n")  # fmt: skip
     print_table(results)
     plot(results, args.plot)

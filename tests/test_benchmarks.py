@@ -78,7 +78,7 @@ def test_scaling_benchmark_quick_run(tmp_path: Path) -> None:
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.strip().splitlines()
-    assert any(line.startswith("| profile | engines | max_lag | step s | ideal s | measured/ideal |") for line in lines)
+    assert any(line.startswith("| profile | engines | max_lag | step s | median s | ideal s | measured/ideal |") for line in lines)
     rows = [line for line in lines if re.match(r"\| seed \| [13] \| [02] \|", line)]
     assert len(rows) == 4
     assert re.fullmatch(r"worst_async_ratio_vs_ideal: \d+\.\d\d", lines[-1])
@@ -87,7 +87,8 @@ def test_scaling_benchmark_quick_run(tmp_path: Path) -> None:
     assert {(r["engines"], r["max_lag"]) for r in report["runs"]} == {(1, 0), (1, 2), (3, 0), (3, 2)}
     for run in report["runs"]:
         assert run["identity_holds"] and run["max_trained_lag"] <= run["max_lag"]
-        assert run["steps_measured"] == 3
+        assert run["steps_measured"] == 3 and run["warmup"] == 1
+        assert run["generation_span_seconds"] > 0 and run["median_step_seconds"] > 0
         assert run["compute_seconds"] >= run["t"], "the simulated step takes at least T"
         assert run["ideal_seconds"] == pytest.approx(run["g1"] / run["engines"] + run["t"] + run["s"] if run["max_lag"] == 0
                                                      else max(run["g1"] / run["engines"], run["t"] + run["s"]))  # fmt: skip
