@@ -2,8 +2,8 @@
 
 Prefect sees coarse units: one `generate_chunk` task run per `generation.prompts_per_chunk`
 groups, with retries. Inside it the groups fan out as plain Dask work on the flow's own cluster
-(`worker_client`), because a Prefect task run costs about 100 times a Dask task. Several chunks
-stay in flight so that the engines' batches stay full while a chunk's slowest episode finishes.
+(`worker_client`), because a Prefect task run costs about 100 times a Dask task. As many
+chunks stay in flight as fill the engines' batches (`chunks_in_flight`).
 
 Between chunks the flow restarts dead engines on the current snapshot, loads newer snapshots
 (pause -> load -> continue) and publishes how many groups it has in flight on each policy
@@ -93,11 +93,16 @@ def dask_task_runner(config: RunConfig) -> DaskTaskRunner:
 
 
 def chunks_in_flight(config: RunConfig) -> int:
-    """Enough chunks in flight to fill every engine's batch about twice over, and at least two,
-    so that the engines have work while the newest chunk's last episode finishes."""
-    sequences = config.generation.engines * config.engine.max_batch_size * 2
+    """Enough chunks in flight to fill every engine's batch once, and at least one.
+
+    Not more: an engine's decode step slows with every sequence it runs, so a younger chunk
+    admitted while an older one finishes stretches the older one's tail, and the trainer needs
+    the older one first. With two chunks in flight on one engine at max_lag 1, both batches
+    finished together and the engine then sat idle for a training step (async at 1.33x its
+    ideal in benchmarks/scaling.py; one chunk: 1.14x)."""
+    sequences = config.generation.engines * config.engine.max_batch_size
     per_chunk = config.generation.samples_per_prompt * config.generation.prompts_per_chunk
-    return max(2, math.ceil(sequences / per_chunk))
+    return max(1, math.ceil(sequences / per_chunk))
 
 
 @flow(name="generation", log_prints=True)
