@@ -7,6 +7,7 @@ path and what is allowed, so the CLI can print it and exit 2 before anything is 
 
 from __future__ import annotations
 
+import reprlib
 from pathlib import Path
 from typing import Any
 
@@ -88,9 +89,19 @@ def describe_validation_error(err: ValidationError) -> str:
             continue
         message = problem["msg"].removeprefix("Value error, ")
         shown = problem.get("input")
-        got = "" if isinstance(shown, dict) else f" (got {shown!r})"
+        got = "" if isinstance(shown, dict) else f" (got {_short_repr(shown)})"
         lines.append(f"  {where}: {message}{got}")
     return "\n".join(lines)
+
+
+def _short_repr(value: Any) -> str:
+    """repr() with long strings and deep or long containers cut short: a 10^6-item list, or a YAML
+    alias bomb (nested anchors that expand exponentially), would otherwise print megabytes or
+    never finish."""
+    shortener = reprlib.Repr()
+    shortener.maxlevel = 2
+    shortener.maxstring = shortener.maxother = 100
+    return shortener.repr(value)
 
 
 def _allowed_keys(model: type[BaseModel], loc: list[str]) -> list[str]:

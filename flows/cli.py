@@ -59,9 +59,13 @@ def fail(message: str, code: int = 2) -> NoReturn:
 
 
 def resolve_config(config: Path | None, overrides: list[str] | None, run_id: str | None = None) -> RunConfig:
-    """Load and validate (`--run-id` wins over the file), or exit 2 naming the field and what is allowed."""
+    """Load and validate (`--run-id` wins over the file), or exit 2 naming the field and what is allowed.
+
+    `--run-id` is a string as given: quoted as a YAML scalar, so `--run-id 123` is the run "123"
+    (not the integer), and `--run-id ''` is refused rather than ignored."""
+    run_id_override = [f"run_id={json.dumps(run_id, ensure_ascii=False)}"] if run_id is not None else []
     try:
-        return load_config(config, [*(overrides or ()), *([f"run_id={run_id}"] if run_id else [])])
+        return load_config(config, [*(overrides or ()), *run_id_override])
     except ConfigError as err:
         fail(str(err))
 
@@ -73,14 +77,14 @@ def init(
     run_id: RunIdOption = None,
 ) -> None:
     """Create a run directory: the resolved config.json and the initial weight snapshot v0."""
+    resolved = resolve_config(config, overrides, run_id)  # before importing torch: fail fast
     from tasks.rundir import RunConflict, initialize_run
     from tasks.snapshots import snapshot_versions
 
-    resolved = resolve_config(config, overrides, run_id)
     try:
         with console.status(f"initialising run {resolved.run_id}"):
             store = initialize_run(resolved)
-    except RunConflict as err:
+    except (RunConflict, ConfigError) as err:  # another config, or a damaged config.json
         fail(str(err))
     console.print(f"run directory: [bold]{store.url}[/]")
     console.print(f"snapshots: {snapshot_versions(store)}; files: {len(store.list_recursive(''))}")
@@ -100,7 +104,7 @@ def run(
 
     try:
         pipeline(resolved)
-    except RunConflict as err:
+    except (RunConflict, ConfigError) as err:
         fail(str(err))
 
 

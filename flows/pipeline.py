@@ -21,7 +21,7 @@ from prefect import flow, task
 from prefect.client.orchestration import get_client
 from prefect.cache_policies import NONE
 
-from configs import DEPLOYED_CONFIG, load_config
+from configs import DEPLOYED_CONFIG, ConfigError, load_config
 from configs.schema import RunConfig, RunId
 from flows.evaluation import evaluation
 from flows.generation import generation
@@ -36,10 +36,11 @@ from tasks.rundir import RunConflict, initialize_run
 
 
 def _worth_retrying(task, task_run, state) -> bool:
-    """Retry storage trouble, not a run id reused with another config (a user error)."""
+    """Retry storage trouble, not a run id reused with another config or a damaged config.json
+    (user errors that a retry reads again unchanged)."""
     try:
         state.result()
-    except RunConflict:
+    except (RunConflict, ConfigError):
         return False
     except Exception:
         return True

@@ -103,7 +103,7 @@ def generate_group(spec: GroupSpec) -> GroupResult:
         )  # fmt: skip
 
     rollouts = asyncio.run_coroutine_threadsafe(play(), _worker_loop()).result()
-    written = write_shard(store, rollouts, spec.producer, spec.slot)
+    written = write_shard(store, rollouts, spec.producer, spec.slot, context_length=spec.context_length)
     rewards = [r.reward for r in rollouts]
     return GroupResult(
         spec.slot, written.key, written.created, len(rollouts), sum(rewards) / len(rewards),

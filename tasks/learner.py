@@ -125,8 +125,9 @@ class Learner:
                 time.sleep(poll_seconds)
                 self.poll_seconds += poll_seconds
                 continue
+            model = self.trainer.model.config
             valid = read_valid_shards(self.store, [c.key for c in batch], current_version=self.version,
-                                      vocab_size=self.trainer.model.config.vocab_size)  # fmt: skip
+                                      vocab_size=model.vocab_size, context_length=model.max_position_embeddings)  # fmt: skip
             for key, reason in valid.quarantined.items():
                 self._dispose(key, "quarantined", samples=1)
             for key, table in valid.tables.items():

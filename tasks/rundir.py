@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 
 from configs.loader import ConfigError, apply_override, validate_config
-from configs.schema import RunConfig, StorageConfig
+from configs.schema import RUN_ID_PATTERN, RunConfig, StorageConfig
 from infra.modelfactory import load_model, load_tokenizer, prepare_initial_model
 from infra.storage import RunStore, open_run_store
 from tasks.snapshots import latest_version, publish_snapshot, publish_snapshot_dir, snapshot_versions
@@ -42,7 +42,7 @@ def write_run_config(store: RunStore, config: RunConfig) -> bool:
     document = config_document(config)
     if store.put_if_absent(CONFIG_KEY, document):
         return True
-    recorded = json.loads(store.read_bytes(CONFIG_KEY))
+    recorded = read_recorded_config(store)
     if recorded != json.loads(document):
         changed = [f for f in _changed_fields(recorded, json.loads(document)) if not _operational(f)]
         if not changed:
@@ -62,13 +62,18 @@ def load_run_config(run_url: str, overrides: list[str] | tuple[str, ...] = ()) -
     root, _, run_id = run_url.rstrip("/").rpartition("/")
     if not root or "://" not in root:
         raise ConfigError(f"{run_url!r} is not a run directory URL like file:///path/runs/RUN_ID")
+    if not RUN_ID_PATTERN.fullmatch(run_id) or ".." in run_id:  # `..` would read the parent
+        raise ConfigError(
+            f"{run_url!r} ends in {run_id!r}, not a run id "
+            "(1-64 letters, digits, '.', '_' or '-', no '..')"
+        )
     storage = {"root": root}
     for override in overrides:
         if override.startswith("storage.endpoint_url="):
             storage["endpoint_url"] = override.partition("=")[2]
     store = open_run_store(StorageConfig(**storage), run_id)
     try:
-        recorded = json.loads(store.read_bytes(CONFIG_KEY))
+        recorded = read_recorded_config(store)
     except FileNotFoundError:
         raise ConfigError(f"no {CONFIG_KEY} in {store.url}: not a tandem run directory") from None
     for section in recorded.values():
@@ -79,6 +84,21 @@ def load_run_config(run_url: str, overrides: list[str] | tuple[str, ...] = ()) -
     for override in overrides:
         apply_override(recorded, override)
     return validate_config(recorded)
+
+
+def read_recorded_config(store: RunStore) -> dict:
+    """The run's config.json as a mapping; FileNotFoundError if there is none.
+
+    A damaged one is a ConfigError naming the file, not a bare JSONDecodeError: the person has to
+    learn which file of the run directory to restore."""
+    url = store.url_of(CONFIG_KEY)
+    try:
+        recorded = json.loads(store.read_bytes(CONFIG_KEY))
+    except ValueError as err:  # JSONDecodeError and UnicodeDecodeError alike
+        raise ConfigError(f"{url} is not JSON ({err}): the run directory is damaged") from None
+    if not isinstance(recorded, dict):
+        raise ConfigError(f"{url} holds a JSON {type(recorded).__name__}, not a run config")
+    return recorded
 
 
 def initialize_run(config: RunConfig) -> RunStore:

@@ -174,11 +174,11 @@ def encode_shard(table: pa.Table) -> bytes:
 
 
 def write_shard(
-    store: RunStore, rollouts: Sequence[Rollout] | pa.Table, producer: str, seq: int
+    store: RunStore, rollouts: Sequence[Rollout] | pa.Table, producer: str, seq: int, *, context_length: int | None = None
 ) -> ShardWrite:
     """Validate and commit one shard; a second write of the same producer/seq changes nothing."""
     table = rollouts if isinstance(rollouts, pa.Table) else rollouts_to_table(rollouts)
-    validate_table(table, producer=producer)
+    validate_table(table, producer=producer, context_length=context_length)
     key = shard_key(pc.min(table["policy_version"]).as_py(), producer, seq)
     return ShardWrite(key, store.put_if_absent(key, encode_shard(table)))
 
@@ -210,15 +210,17 @@ def committed_slots(store: RunStore) -> dict[int, str]:
 
 
 def read_shard(
-    store: RunStore, key: str, *, current_version: int | None = None, vocab_size: int | None = None
+    store: RunStore, key: str, *, current_version: int | None = None, vocab_size: int | None = None,
+    context_length: int | None = None,
 ) -> pa.Table:
     """The validated table of shard `key`; ShardError if it is bad."""
     data = store.read_bytes(key)
-    return decode_shard(data, key, current_version=current_version, vocab_size=vocab_size)
+    return decode_shard(data, key, current_version=current_version, vocab_size=vocab_size, context_length=context_length)
 
 
 def decode_shard(
-    data: bytes, key: str, *, current_version: int | None = None, vocab_size: int | None = None
+    data: bytes, key: str, *, current_version: int | None = None, vocab_size: int | None = None,
+    context_length: int | None = None,
 ) -> pa.Table:
     """Parse and validate the bytes of shard `key`; ShardError if they are not a good shard."""
     name = parse_shard_key(key)
@@ -231,7 +233,7 @@ def decode_shard(
     if found != ROLLOUT_SCHEMA.metadata[SCHEMA_VERSION_KEY]:
         raise ShardError(f"schema version {found!r} in the metadata, expected {SCHEMA_VERSION}")
     validate_table(
-        table, producer=name.producer, current_version=current_version, vocab_size=vocab_size
+        table, producer=name.producer, current_version=current_version, vocab_size=vocab_size, context_length=context_length,
     )
     lowest = pc.min(table["policy_version"]).as_py()
     if lowest != name.version:
@@ -245,8 +247,13 @@ def validate_table(
     producer: str | None = None,
     current_version: int | None = None,
     vocab_size: int | None = None,
+    context_length: int | None = None,
 ) -> None:
-    """Raise ShardError unless `table` has ROLLOUT_SCHEMA and every value is in range."""
+    """Raise ShardError unless `table` has ROLLOUT_SCHEMA and every value is in range.
+
+    With `context_length` (the model's), a row of more tokens (prompt + completion) is refused:
+    every turn of an episode fits the engine's context, so a longer row came from no engine of
+    this run, and one 10^6-token row would exhaust the trainer's memory."""
     if not table.schema.equals(ROLLOUT_SCHEMA, check_metadata=False):
         raise ShardError(_schema_difference(table.schema))
     if table.num_rows == 0:
@@ -256,6 +263,12 @@ def validate_table(
         row = _first_false(pc.equal(pc.list_value_length(table[name]), lengths))
         if row >= 0:
             raise ShardError(f"len({name}) != len(completion_ids) in row {row}")
+    if context_length is not None:
+        tokens = pc.add(pc.list_value_length(table["prompt_ids"]), lengths)
+        row = _first_false(pc.less_equal(tokens, context_length))
+        if row >= 0:
+            count = tokens[row].as_py()
+            raise ShardError(f"row {row} has {count} tokens (prompt + completion), over the model's context of {context_length}")
     check = _range_checker(table)
     check("loss_mask", lambda v: pc.is_in(v, value_set=LOSS_MASK_VALUES), "must be 0 or 1")
     check("behavior_logprobs", pc.is_finite, "must be finite")
@@ -278,7 +291,8 @@ def validate_table(
 
 
 def read_valid_shards(
-    store: RunStore, keys: Iterable[str], current_version: int, *, vocab_size: int | None = None
+    store: RunStore, keys: Iterable[str], current_version: int, *, vocab_size: int | None = None,
+    context_length: int | None = None,
 ) -> ValidShards:
     """Read every shard of `keys`; quarantine the bad ones (logged) and return the rest."""
     result = ValidShards()
@@ -290,7 +304,7 @@ def read_valid_shards(
             continue
         try:
             result.tables[key] = decode_shard(
-                data, key, current_version=current_version, vocab_size=vocab_size
+                data, key, current_version=current_version, vocab_size=vocab_size, context_length=context_length
             )
         except ShardError as err:
             target = quarantine_shard(store, key, data, err.reason)

@@ -156,7 +156,12 @@ def apply_retention(
 
 
 def _read_version(store: RunStore, key: str) -> int:
-    version = json.loads(store.read_bytes(key))["version"]
+    """The version a pointer file names; ValueError naming the file if it is not {"version": V}
+    (a bare JSONDecodeError would not say which file of the run directory is damaged)."""
+    try:
+        version = json.loads(store.read_bytes(key))["version"]
+    except (ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"{store.url_of(key)}: not a {{\"version\": V}} record ({err!r})") from None
     if type(version) is not int or version < 0:
         raise ValueError(f"{store.url_of(key)}: invalid version {version!r}")
     return version

@@ -11,7 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from configs import CONFIG_DIR, ConfigError, RunConfig, load_config
-from flows.cli import app
+from flows.cli import app, resolve_config
 
 runner = CliRunner()
 
@@ -100,6 +100,12 @@ def test_missing_config_file_exits_2(tmp_path: Path):
     result = runner.invoke(app, ["config", "show", str(tmp_path / "nope.yaml")])
     assert result.exit_code == 2
     assert "no such config file" in result.output
+
+
+@pytest.mark.parametrize("run_id", ["123", "1e3", "true", "null", "0.5"])
+def test_run_id_option_is_taken_as_a_string(run_id: str):
+    # --set values are YAML scalars, but --run-id is a name: "123" must not become an integer.
+    assert resolve_config(CONFIG_DIR / "tiny.yaml", None, run_id).run_id == run_id
 
 
 def test_config_show_prints_the_resolved_config_as_json():

@@ -42,6 +42,7 @@ from tasks.shards import (
     rollouts_to_table,
     shard_key,
     table_to_rollouts,
+    validate_table,
     write_shard,
 )
 from tests.conftest import s3_storage_config
@@ -295,6 +296,18 @@ def test_out_of_range_values_are_quarantined(store: RunStore, violation, expecte
     assert list(result.quarantined) == [shard_key(1, "gen0", 1)]
     assert expected in result.quarantined[shard_key(1, "gen0", 1)]
     assert store.read_bytes(f"quarantine/{shard_key(1, 'gen0', 1)}") == bad
+
+
+def test_a_row_may_fill_the_models_context_and_no_more():
+    context = 256
+    rollouts = make_rollouts(n=1)
+    count = context - len(rollouts[0].prompt_ids)
+    rollouts[0].completion_ids, rollouts[0].loss_mask = [1] * count, [0] * count
+    rollouts[0].behavior_logprobs = [0.0] * count
+    validate_table(rollouts_to_table(rollouts), context_length=context)
+    rollouts[0].prompt_ids.append(1)
+    with pytest.raises(ShardError, match=f"row 0 has {context + 1} tokens .* context of {context}"):
+        validate_table(rollouts_to_table(rollouts), context_length=context)
 
 
 def test_reader_checks_key_version_schema_version_and_vocabulary(store: RunStore):

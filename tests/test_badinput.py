@@ -1,0 +1,691 @@
+"""The bad-input sweep: every kind of malformed input tandem takes in, listed in one table.
+
+Each case enters through the code path that really receives that input, and expects the
+documented answer with an error that names the problem:
+
+- config and CLI: the `tandem` command, run as a subprocess. Exit code 2, a message on stderr
+  naming the field and what is allowed, no traceback.
+- engine API: the CPU engine's app in this process (FastAPI's TestClient over a tiny model).
+  The documented HTTP status (400, 401, 413 or 422) with a body naming the problem, answered
+  within seconds; afterwards the engine still answers /health and generates, on its old weights.
+- shards: bad bytes committed past the writer's validation (as a buggy or hostile producer would),
+  then read by `read_valid_shards`: the shard is quarantined with a reason naming the problem and
+  the good shard next to it is still read. Where the writer can tell, it refuses the rows itself.
+- snapshots: a committed snapshot damaged in the run directory, then fetched by `load_snapshot`
+  (what a generator does) or loaded by an engine's /update_weights_from_disk.
+
+Every case that has a run directory checks that the directory is byte-for-byte as it was,
+hidden files included, apart from quarantine/: the one change a bad input may cause is a bad
+shard moving there, bytes unchanged, next to its reason. Run the sweep with `pytest -m badinput`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from fastapi.testclient import TestClient
+
+from configs import TINY_CONFIG, load_config
+from infra.engines.cpu import CpuEngine
+from infra.engines.server import create_app
+from infra.manifest import MANIFEST_NAME, ManifestError, build_manifest
+from infra.storage import RunStore
+from tasks.rundir import initialize_run
+from tasks.shards import (
+    ROLLOUT_SCHEMA,
+    SCHEMA_VERSION_KEY,
+    Rollout,
+    ShardError,
+    encode_shard,
+    list_shards,
+    parse_shard_key,
+    read_valid_shards,
+    rollouts_to_table,
+    shard_key,
+    write_shard,
+)
+from tasks.snapshots import load_snapshot, publish_snapshot_dir, snapshot_prefix
+from tests.conftest import committed_model_dir
+from tests.test_engine_contract import MALFORMED, PROMPT
+from tests.test_shards import (
+    _break_loss_mask_length,
+    _future_version,
+    _infinite_reward,
+    _loss_mask_value,
+    _middle_of_column,
+    _nan_logprob,
+    _negative_token,
+    _positive_logprob,
+    make_rollouts,
+    put_raw,
+)
+
+pytestmark = pytest.mark.badinput
+
+ROOT = Path(__file__).resolve().parents[1]
+AREAS = ("cli", "engine", "shard", "snapshot")
+API_KEY = "badinput-key"
+TRAINER_VERSION = 5
+"""The trainer's version when the shards are read (a row of version 9 is from the future)."""
+VOCAB_SIZE = 50
+"""The vocabulary the shards are read against (make_rollouts draws token ids below 50)."""
+CONTEXT_LENGTH = 4096
+"""The model context the writer and the trainer check rows against."""
+
+
+# -- what a case feeds in, one kind per area ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Cli:
+    """`tandem ARGS` in a fresh directory {tmp} that holds a run directory {tmp}/runs/base."""
+
+    args: tuple[str, ...]
+    """Arguments after `tandem`; "{tmp}" is replaced by the test's directory."""
+    files: dict[str, bytes] = field(default_factory=dict)
+    """Written under {tmp} before the run: the bad YAML, a damaged file of the run directory."""
+
+
+@dataclass(frozen=True)
+class Request:
+    """One HTTP request to the engine."""
+
+    path: str
+    kwargs: dict
+    """httpx arguments: json=, content=, headers=."""
+    method: str = "POST"
+    key: str | None = API_KEY
+    """The Bearer token sent; None sends no Authorization header."""
+
+
+@dataclass(frozen=True)
+class BadShard:
+    """A shard committed without the writer's validation."""
+
+    build: Callable[[], list[Rollout] | bytes]
+    """The rows (encoded as they are) or the raw bytes of the file."""
+    key: str = shard_key(1, "gen0", 1)
+    writer_refuses: bool = True
+    """Rows only: whether write_shard itself can tell (not a future version or vocabulary)."""
+
+
+@dataclass(frozen=True)
+class DamagedSnapshot:
+    """Snapshot v1, committed in the run directory, then damaged in place."""
+
+    damage: Callable[[Path], None]
+    """Given the snapshot's directory, weights/v00000001, on file://."""
+    consumer: str
+    """"load_snapshot" (a generator fetching it) or "engine" (/update_weights_from_disk)."""
+    version: int | None = 1
+    """The version load_snapshot asks for; None reads LATEST."""
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    area: str
+    feed: Cli | Request | BadShard | DamagedSnapshot
+    expect: int | type[Exception]
+    """Exit code, HTTP status, or the exception the reading code raises."""
+    error: str | tuple[str, ...]
+    """What the error message must contain (each of them)."""
+
+    @property
+    def errors(self) -> tuple[str, ...]:
+        return (self.error,) if isinstance(self.error, str) else self.error
+
+
+# -- config and CLI ----------------------------------------------------------------------------
+
+INTO_TMP = ("--set", "storage.root=file://{tmp}/runs")
+RUN_ID_RULE = "run_id must be 1-64 characters of letters, digits, '.', '_' or '-'"
+SECTIONS = "allowed here: dask, engine, env, generation, lag, model, prefect, run_id, seed, storage, training"
+ALIAS_BOMB = b"""env:
+  kwargs:
+    a: &a ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]
+    b: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a, *a]
+    c: &c [*b, *b, *b, *b, *b, *b, *b, *b, *b, *b]
+    d: &d [*c, *c, *c, *c, *c, *c, *c, *c, *c, *c]
+    e: &e [*d, *d, *d, *d, *d, *d, *d, *d, *d, *d]
+    f: &f [*e, *e, *e, *e, *e, *e, *e, *e, *e, *e]
+seed: *f
+"""
+"""Six nested anchors: 10^6 strings once expanded (a repr of it is 7 MB)."""
+
+
+def init_yaml(text: bytes | str) -> Cli:
+    """`tandem init` of a config file holding `text`, into {tmp}/runs."""
+    data = text.encode() if isinstance(text, str) else text
+    return Cli(("init", "{tmp}/bad.yaml", *INTO_TMP), {"bad.yaml": data})
+
+
+def init_tiny(*args: str, files: dict[str, bytes] | None = None) -> Cli:
+    """`tandem init` of the shipped tiny config with `args`, into {tmp}/runs."""
+    return Cli(("init", str(TINY_CONFIG), *INTO_TMP, *args), files or {})
+
+
+def cli(id: str, feed: Cli, error: str | tuple[str, ...]) -> Case:
+    return Case(id, "cli", feed, 2, error)
+
+
+CLI_CASES = [
+    cli("wrong type", init_yaml("lag:\n  max_lag: two\n"),
+        "lag.max_lag: Input should be a valid integer, unable to parse string as an integer (got 'two')"),
+    cli("section is not a mapping", init_yaml("training: 5\n"), "training: Input should be a valid dictionary"),
+    cli("out of range in the file", init_yaml("generation:\n  temperature: -0.5\n"),
+        "generation.temperature: Input should be greater than or equal to 0 (got -0.5)"),
+    cli("out of range in --set", init_tiny("--set", "engine.max_batch_size=5000"),
+        "engine.max_batch_size: Input should be less than or equal to 1024 (got 5000)"),
+    cli("value not among the allowed", init_tiny("--set", "engine.backend=tpu"),
+        "engine.backend: Input should be 'cpu', 'sglang' or 'sim' (got 'tpu')"),
+    cli("unknown key", init_yaml("lag:\n  max_lagg: 1\n"), "lag.max_lagg: unknown key; allowed here: max_lag"),
+    cli("unknown section", init_yaml("trainer:\n  lr: 0.1\n"), f"trainer: unknown key; {SECTIONS}"),
+    cli("fields that contradict", init_tiny("--set", "training.publish_every=5"),
+        "training.publish_every (5) must be at most lag.max_lag + 1 (3)"),
+    cli("empty yaml", init_yaml(""), "the config file is empty; expected a mapping of sections"),
+    cli("yaml of comments only", init_yaml("# lag: 1\n"), "the config file is empty"),
+    cli("yaml list", init_yaml("- lag\n- seed\n"), "the config must be a mapping of sections, got a YAML list"),
+    cli("yaml scalar", init_yaml("42\n"), "the config must be a mapping of sections, got a YAML int"),
+    cli("yaml syntax error", init_yaml("lag: [unclosed\n"), "not valid YAML"),
+    cli("config not utf-8", init_yaml(b"\xff\xfe\x00lag: \xc3\x28\n"), "cannot read config file"),
+    cli("no such config file", Cli(("init", "{tmp}/missing.yaml", *INTO_TMP)), "missing.yaml: no such config file"),
+    cli("yaml alias bomb", init_yaml(ALIAS_BOMB), "seed: Input should be a valid integer (got [[[...]"),
+    cli("--set without a value", init_tiny("--set", "lag.max_lag"), "expected section.field=value"),
+    cli("--set below a scalar", init_tiny("--set", "seed.x=1"), "seed is not a section"),
+    cli("run id with /", init_tiny("--run-id", "a/b"), (RUN_ID_RULE, "got 'a/b'")),
+    cli("run id ..", init_tiny("--run-id", ".."), (RUN_ID_RULE, "contain no '..'", "got '..'")),
+    cli("run id escaping the root", init_yaml("run_id: ../escape\n"), (RUN_ID_RULE, "got '../escape'")),
+    cli("run id with NUL", init_yaml('run_id: "nul\\0id"\n'), (RUN_ID_RULE, "got 'nul\\x00id'")),
+    cli("run id of 300 characters", init_tiny("--run-id", "r" * 300), (RUN_ID_RULE, "got 'rrrrrrrr")),
+    cli("run id empty", init_tiny("--run-id", ""), (RUN_ID_RULE, "got ''")),
+    cli("run id of the wrong type", init_tiny("--set", "run_id=[1, 2]"), "run_id: Input should be a valid string"),
+    cli("run's config.json not JSON", init_tiny("--run-id", "base", files={"runs/base/config.json": b"{not json"}),
+        ("runs/base/config.json is not JSON", "the run directory is damaged")),
+    cli("run's config.json a JSON list", init_tiny("--run-id", "base", files={"runs/base/config.json": b"[1]"}),
+        "runs/base/config.json holds a JSON list, not a run config"),
+    cli("run with an unknown key", Cli(("run", str(TINY_CONFIG), "--set", "lag.lag=1")),
+        "lag.lag: unknown key; allowed here: max_lag"),
+    cli("eval of a run url ending in ..", Cli(("eval", "file://{tmp}/runs/base/..")),
+        ("ends in '..', not a run id", "no '..'")),
+    cli("eval of a path without a scheme", Cli(("eval", "{tmp}/runs/base")),
+        "is not a run directory URL like file:///path/runs/RUN_ID"),
+    cli("eval of a directory without config.json", Cli(("eval", "file://{tmp}/runs/nothing")),
+        "runs/nothing: not a tandem run directory"),
+    cli("eval of a damaged config.json", Cli(("eval", "file://{tmp}/runs/base"), {"runs/base/config.json": b"\xff"}),
+        "runs/base/config.json is not JSON"),
+    cli("eval of a negative version", Cli(("eval", "file://{tmp}/runs/base", "--version", "-1")),
+        ("Invalid value for '--version'", "greater than or equal to 0")),
+    cli("engine serve on port 70000", Cli(("engine", "serve", "--model", "{tmp}/runs", "--port", "70000")),
+        ("Invalid value for '--port'", "less than or equal to 65535")),
+    cli("engine serve of a missing model", Cli(("engine", "serve", "--model", "{tmp}/no-model")),
+        ("Invalid value for '--model'", "does not exist")),
+    cli("engine serve with a bad latency model",
+        Cli(("engine", "serve", "--model", "{tmp}/runs/base/weights/v00000000", "--sim-latency", '{"decode_base_s": -1}')),
+        ("--sim-latency", "decode_base_s", "greater than or equal to 0")),
+]  # fmt: skip
+
+
+# -- engine API ----------------------------------------------------------------------------------
+
+MALFORMED_EXPECTED: dict[str, tuple[int, str | tuple[str, ...]]] = {
+    "bad json": (422, "Invalid JSON"),
+    "missing input_ids": (422, ('"input_ids"', "Field required")),
+    "input_ids not a list": (422, ('"input_ids"', "Input should be a valid array")),
+    "empty input_ids": (422, ('"input_ids"', "at least 1 item")),
+    "out-of-vocabulary id": (400, "input_ids outside the vocabulary [0, 55): [10000000]"),
+    "negative id": (422, ('"input_ids",1', "greater than or equal to 0")),
+    "negative max_new_tokens": (422, ('"max_new_tokens"', "greater than or equal to 0")),
+    "huge max_new_tokens": (422, ('"max_new_tokens"', "less than or equal to 1000000")),
+    "temperature below 0": (422, ('"temperature"', "greater than or equal to 0")),
+    "n is 0": (422, ('"n"', "greater than or equal to 1")),
+    "unknown sampling field": (422, ('"temprature"', "Extra inputs are not permitted")),
+    "body over the size limit": (413, "request body over 8388608 bytes"),
+}
+"""The answer to each malformed request of the engine contract suite (tests/test_engine_contract.py)."""
+
+
+JSON = {"content-type": "application/json"}
+
+
+def generate(body: dict | None = None, content: bytes | None = None, key: str | None = API_KEY) -> Request:
+    if content is not None:
+        return Request("/generate", {"content": content, "headers": JSON}, key=key)
+    return Request("/generate", {"json": body}, key=key)
+
+
+def tokens(count: int, token: bytes = b"1") -> bytes:
+    """The body of a /generate request whose prompt is `count` copies of `token`."""
+    return b'{"input_ids": [' + b",".join([token] * count) + b"]}"
+
+
+ENGINE_CASES = [
+    *(Case(name, "engine", Request("/generate", kwargs), *MALFORMED_EXPECTED[name]) for name, kwargs in MALFORMED.items()),
+    Case("body is a JSON list", "engine", generate(content=b"[1, 2, 3]"), 422, ('"body"', "Input should be an object")),
+    Case("body is JSON null", "engine", generate(content=b"null"), 422, "Input should be an object"),
+    Case("empty body", "engine", generate(content=b""), 422, "Invalid JSON: EOF while parsing"),
+    Case("input_ids an object", "engine", generate({"input_ids": {"0": 1}}), 422, ('"input_ids"', "valid array")),
+    Case("input_ids of floats", "engine", generate({"input_ids": [1.5]}), 422, ('"input_ids",0', "fractional part")),
+    Case("sampling_params a list", "engine", generate({"input_ids": [1], "sampling_params": [1]}), 422,
+         ('"sampling_params"', "Input should be an object")),
+    Case("return_logprob a number", "engine", generate({"input_ids": [1], "return_logprob": 2}), 422,
+         ('"return_logprob"', "valid boolean")),
+    Case("temperature a string", "engine", generate({"input_ids": [1], "sampling_params": {"temperature": "hot"}}), 422,
+         ('"temperature"', "valid number")),
+    Case("temperature NaN", "engine", generate(content=b'{"input_ids": [1], "sampling_params": {"temperature": NaN}}'), 422,
+         ('"temperature"', "finite number")),
+    Case("top_k 0", "engine", generate({"input_ids": [1], "sampling_params": {"top_k": 0}}), 422,
+         ('"top_k"', "top_k must be -1 (disabled) or at least 1")),
+    Case("sampling_seed past int64", "engine", generate({"input_ids": [1], "sampling_params": {"sampling_seed": 2**70}}), 422,
+         ('"sampling_seed"', "less than 9223372036854775808")),
+    Case("stop token past int32", "engine", generate({"input_ids": [1], "sampling_params": {"stop_token_ids": [2**40]}}), 422,
+         ('"stop_token_ids",0', "less than 2147483648")),
+    Case("unknown top-level field", "engine", generate({"input_ids": [1], "text": "2 + 2"}), 422,
+         ('"text"', "Extra inputs are not permitted")),
+    Case("rid of 300 characters", "engine", generate({"input_ids": [1], "rid": "r" * 300}), 422,
+         ('"rid"', "at most 256 characters")),
+    Case("prompt of 10^6 tokens", "engine", generate(content=tokens(10**6)), 400,
+         "prompt of 1000000 tokens leaves no room in the context of 64"),
+    Case("prompt of 10^6 + 1 tokens", "engine", generate(content=tokens(10**6 + 1)), 422,
+         ('"input_ids"', "at most 1000000 items")),
+    Case("prompt of 10^6 wide tokens", "engine", generate(content=tokens(10**6, b"12345678")), 413,
+         "request body over 8388608 bytes"),
+    Case("number of 5000 digits", "engine", generate(content=b'{"input_ids": [' + b"9" * 5000 + b"]}"), 422,
+         "Invalid JSON: number out of range"),
+    Case("JSON nested 10^5 deep", "engine", generate(content=b"[" * 10**5 + b"]" * 10**5), 422,
+         "Invalid JSON: recursion limit exceeded"),
+    Case("body not UTF-8", "engine", generate(content=b"\xff\xfe\x00{\xc3\x28}"), 422, "Invalid JSON"),
+    Case("emoji for token ids", "engine", generate({"input_ids": ["\U0001f642", "\u00fc"]}), 422,
+         ('"input_ids",0', "valid integer")),
+    Case("lone surrogate in rid", "engine", generate(content=b'{"input_ids": [1], "rid": "\\ud800"}'), 422,
+         "Invalid JSON"),
+    Case("no API key", "engine", generate({"input_ids": PROMPT}, key=None), 401, "missing or wrong API key"),
+    Case("wrong API key", "engine", generate({"input_ids": PROMPT}, key="not-the-key"), 401, "missing or wrong API key"),
+    Case("API key on another route", "engine", Request("/model_info", {}, method="GET", key="not-the-key"), 401,
+         "missing or wrong API key"),
+    Case("update without model_path", "engine", Request("/update_weights_from_disk", {"json": {}}), 422,
+         ('"model_path"', "Field required")),
+    Case("update with weight_version a number", "engine",
+         Request("/update_weights_from_disk", {"json": {"model_path": "/x", "weight_version": 3}}), 422,
+         ('"weight_version"', "valid string")),
+    Case("update of a path with NUL", "engine", Request("/update_weights_from_disk", {"json": {"model_path": "a\0b"}}), 400,
+         "embedded null byte"),
+    Case("update body nested 10^5 deep", "engine",
+         Request("/update_weights_from_disk", {"content": b"[" * 10**5 + b"]" * 10**5, "headers": JSON}), 400,
+         "There was an error parsing the body"),
+    Case("update body not UTF-8", "engine", Request("/update_weights_from_disk", {"content": b"\xff\xfe", "headers": JSON}),
+         422, "JSON decode error"),
+    Case("pause in an unknown mode", "engine", Request("/pause_generation", {"json": {"mode": "freeze"}}), 422,
+         ('"mode"', "Input should be 'abort', 'retract' or 'in_place'")),
+    Case("abort of nothing", "engine", Request("/abort_request", {"json": {}}), 400, "give a rid or abort_all: true"),
+]  # fmt: skip
+
+
+# -- shards --------------------------------------------------------------------------------------
+
+
+def rows(violation: Callable[[list[Rollout]], None] | None = None, **kwargs) -> Callable[[], list[Rollout]]:
+    """Builder of make_rollouts(**kwargs) with `violation` applied."""
+
+    def build() -> list[Rollout]:
+        rollouts = make_rollouts(**kwargs)
+        if violation:
+            violation(rollouts)
+        return rollouts
+
+    return build
+
+
+def _long_row(rollouts: list[Rollout]) -> None:
+    count = 10**6
+    rollouts[0].completion_ids, rollouts[0].loss_mask = [1] * count, [0] * count
+    rollouts[0].behavior_logprobs = [0.0] * count
+
+
+def _out_of_vocabulary(rollouts: list[Rollout]) -> None:
+    rollouts[1].prompt_ids[0] = 10**6
+
+
+def _no_rows(rollouts: list[Rollout]) -> None:
+    rollouts.clear()
+
+
+def _valid_bytes(n: int = 4, completion_len: int = 6) -> bytes:
+    return encode_shard(rollouts_to_table(make_rollouts(n=n, completion_len=completion_len)))
+
+
+def _truncated() -> bytes:
+    data = _valid_bytes(n=200, completion_len=64)
+    return data[: len(data) // 2]
+
+
+def _flipped_page() -> bytes:
+    data = bytearray(_valid_bytes(n=200, completion_len=64))
+    offset = _middle_of_column(bytes(data), "completion_ids")
+    data[offset : offset + 8] = bytes(b ^ 0xFF for b in data[offset : offset + 8])
+    return bytes(data)
+
+
+def _parquet(table: pa.Table) -> bytes:
+    sink = io.BytesIO()
+    pq.write_table(table, sink)
+    return sink.getvalue()
+
+
+def _foreign_columns() -> bytes:
+    table = pa.table({"prompt": ["2 + 2"], "score": [1.0]})
+    return _parquet(table.replace_schema_metadata(ROLLOUT_SCHEMA.metadata))
+
+
+def _reward_as_double() -> bytes:
+    index = ROLLOUT_SCHEMA.get_field_index("reward")
+    schema = ROLLOUT_SCHEMA.set(index, pa.field("reward", pa.float64(), nullable=False))
+    return _parquet(rollouts_to_table(make_rollouts()).cast(schema))
+
+
+def _schema_version(version: bytes | None) -> Callable[[], bytes]:
+    def build() -> bytes:
+        table = rollouts_to_table(make_rollouts())
+        return _parquet(table.replace_schema_metadata({SCHEMA_VERSION_KEY: version} if version else None))
+
+    return build
+
+
+def shard(id: str, feed: BadShard, error: str | tuple[str, ...]) -> Case:
+    return Case(id, "shard", feed, ShardError, error)
+
+
+SHARD_CASES = [
+    shard("truncated", BadShard(_truncated), "not a readable Parquet file"),
+    shard("empty file", BadShard(lambda: b""), "not a readable Parquet file"),
+    shard("unicode garbage", BadShard(lambda: "\U0001f642 nicht parquet \u00fc\u0000".encode()), "not a readable Parquet file"),
+    shard("flipped bytes in a page", BadShard(_flipped_page), ("not a readable Parquet file", "checksum")),
+    shard("wrong schema", BadShard(_foreign_columns),
+          ("schema mismatch: missing ['prompt_ids'", "unexpected ['prompt', 'score']")),
+    shard("column of the wrong type", BadShard(_reward_as_double), "wrong type ['reward: double not null']"),
+    shard("no schema version", BadShard(_schema_version(None)), "schema version None in the metadata, expected 1"),
+    shard("schema version from the future", BadShard(_schema_version(b"2")), "schema version b'2' in the metadata"),
+    shard("row of 10^6 tokens", BadShard(rows(_long_row)),
+          f"row 0 has 1000005 tokens (prompt + completion), over the model's context of {CONTEXT_LENGTH}"),
+    shard("NaN logprob", BadShard(rows(_nan_logprob)), "behavior_logprobs must be finite: row 2 has nan"),
+    shard("positive logprob", BadShard(rows(_positive_logprob)), "behavior_logprobs must be <= 0: row 0 has 0.5"),
+    shard("policy_version from the future", BadShard(rows(_future_version), writer_refuses=False),
+          "policy_version is from the future (trainer is at version 5): row 2 has 9"),
+    shard("loss_mask of the wrong length", BadShard(rows(_break_loss_mask_length)),
+          "len(loss_mask) != len(completion_ids) in row 1"),
+    shard("loss_mask value 2", BadShard(rows(_loss_mask_value)), "loss_mask must be 0 or 1: row 3 has 2"),
+    shard("infinite reward", BadShard(rows(_infinite_reward)), "reward must be finite: row 1 has inf"),
+    shard("negative token id", BadShard(rows(_negative_token)), "completion_ids must be >= 0: row 0 has -1"),
+    shard("token outside the vocabulary", BadShard(rows(_out_of_vocabulary), writer_refuses=False),
+          "prompt_ids must be < vocab_size 50: row 1 has 1000000"),
+    shard("no rows", BadShard(rows(_no_rows)), "shard has no rows"),
+    shard("key names another version", BadShard(rows(version=2), writer_refuses=False),
+          "key says version 1, lowest policy_version is 2"),
+    shard("key names another producer", BadShard(rows(), key=shard_key(1, "gen1", 0)),
+          "producer does not match the key's 'gen1': row 0 has 'gen0'"),
+]  # fmt: skip
+
+
+# -- snapshots -----------------------------------------------------------------------------------
+
+
+def _drop_manifest(snapshot: Path) -> None:
+    (snapshot / MANIFEST_NAME).unlink()
+
+
+def _drop_listed_file(snapshot: Path) -> None:
+    (snapshot / "tokenizer.json").unlink()
+
+
+def _flip_weights_byte(snapshot: Path) -> None:
+    weights = snapshot / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    weights.write_bytes(bytes(data))
+
+
+def _grow_weights(snapshot: Path) -> None:
+    with open(snapshot / "model.safetensors", "ab") as handle:
+        handle.write(b"\0")
+
+
+def _garble_manifest(snapshot: Path) -> None:
+    (snapshot / MANIFEST_NAME).write_bytes(b"{not json")
+
+
+def _garble_latest(snapshot: Path) -> None:
+    (snapshot.parent / "LATEST").write_bytes(b"v1, I think")
+
+
+def _config(text: bytes, recommit: bool) -> Callable[[Path], None]:
+    """Replace the snapshot's config.json; with `recommit`, its manifest agrees (a buggy producer)."""
+
+    def damage(snapshot: Path) -> None:
+        (snapshot / "config.json").write_bytes(text)
+        if recommit:
+            manifest = build_manifest(snapshot, extra={"version": 1})
+            (snapshot / MANIFEST_NAME).write_text(json.dumps(manifest, indent=1, sort_keys=True))
+
+    return damage
+
+
+def snapshot(id: str, feed: DamagedSnapshot, error: str | tuple[str, ...]) -> Case:
+    expect = 400 if feed.consumer == "engine" else ValueError if feed.version is None else ManifestError
+    return Case(id, "snapshot", feed, expect, error)
+
+
+SNAPSHOT_CASES = [
+    snapshot("fetch without a manifest", DamagedSnapshot(_drop_manifest, "load_snapshot"),
+             "MANIFEST.json: missing under file://"),
+    snapshot("fetch of a manifest naming a missing file", DamagedSnapshot(_drop_listed_file, "load_snapshot"),
+             "tokenizer.json: listed in the manifest but missing"),
+    snapshot("fetch with a sha256 mismatch", DamagedSnapshot(_flip_weights_byte, "load_snapshot"),
+             ("model.safetensors: sha256", "manifest says")),
+    snapshot("fetch with a size mismatch", DamagedSnapshot(_grow_weights, "load_snapshot"),
+             "model.safetensors: size"),
+    snapshot("fetch of a manifest that is not JSON", DamagedSnapshot(_garble_manifest, "load_snapshot"),
+             "MANIFEST.json: not JSON"),
+    snapshot("fetch of a config.json that is not JSON", DamagedSnapshot(_config(b"{not json", False), "load_snapshot"),
+             "config.json: size 9, manifest says"),
+    snapshot("fetch of LATEST that is not JSON", DamagedSnapshot(_garble_latest, "load_snapshot", version=None),
+             ("weights/LATEST: not a {\"version\": V} record", "JSONDecodeError")),
+    snapshot("engine load without a manifest", DamagedSnapshot(_drop_manifest, "engine"), "MANIFEST.json: missing in"),
+    snapshot("engine load of a manifest naming a missing file", DamagedSnapshot(_drop_listed_file, "engine"),
+             "tokenizer.json: listed in the manifest but missing"),
+    snapshot("engine load with a sha256 mismatch", DamagedSnapshot(_flip_weights_byte, "engine"),
+             ("model.safetensors: sha256", "manifest says")),
+    snapshot("engine load of a config.json that is not JSON", DamagedSnapshot(_config(b"{not json", True), "engine"),
+             "config.json' is not a valid JSON file"),
+    snapshot("engine load of a config.json that is a list", DamagedSnapshot(_config(b"[1, 2]", True), "engine"),
+             "Should have a `model_type` key in its config.json"),
+]  # fmt: skip
+
+
+CASES: list[Case] = CLI_CASES + ENGINE_CASES + SHARD_CASES + SNAPSHOT_CASES
+
+
+def cases_of(area: str):
+    return pytest.mark.parametrize("case", [c for c in CASES if c.area == area], ids=lambda c: c.id)
+
+
+def test_the_sweep_lists_every_case():
+    counts = Counter(case.area for case in CASES)
+    table = "\n".join(f"{c.area:8} {str(getattr(c.expect, '__name__', c.expect)):13} {c.id}" for c in CASES)
+    print(f"{len(CASES)} bad-input cases ({dict(counts)}):\n{table}")
+    assert len(CASES) >= 30, "the issue asks for at least 30 cases"
+    assert set(counts) == set(AREAS) and all(counts[area] >= 5 for area in AREAS), counts
+    assert len({(c.area, c.id) for c in CASES}) == len(CASES), "case ids repeat"
+    assert set(MALFORMED) <= {c.id for c in ENGINE_CASES}, "every malformed request of the engine contract"
+
+
+# -- what every run-directory case checks --------------------------------------------------------
+
+
+def tree_digest(root: Path) -> dict[str, str]:
+    """Every file and directory below `root`, hidden ones included: relative path -> sha256 or "dir"."""
+    return {
+        path.relative_to(root).as_posix(): "dir" if path.is_dir() else hashlib.sha256(path.read_bytes()).hexdigest()
+        for path in sorted(root.rglob("*"))
+    }
+
+
+def outside_quarantine(tree: dict[str, str]) -> dict[str, str]:
+    return {path: digest for path, digest in tree.items() if path.split("/")[0] != "quarantine"}
+
+
+def assert_message(case: Case, message: str) -> None:
+    for expected in case.errors:
+        assert expected in message, f"{case.id}: {expected!r} not in the error:\n{message[:2000]}"
+
+
+# -- config and CLI --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pristine_run(tmp_path_factory) -> Path:
+    """A run directory as `tandem init` lays it out (config.json, snapshot v0, LATEST), made once."""
+    root = tmp_path_factory.mktemp("pristine") / "runs"
+    config = load_config(TINY_CONFIG, [f"storage.root=file://{root}", "run_id=base", "training.warmup_steps=0"])
+    initialize_run(config)
+    return root / "base"
+
+
+@cases_of("cli")
+def test_config_and_cli(case: Case, pristine_run: Path, tmp_path: Path):
+    shutil.copytree(pristine_run, tmp_path / "runs" / "base")
+    (tmp_path / "cwd").mkdir()
+    for name, data in case.feed.files.items():
+        (tmp_path / name).write_bytes(data)
+    before = tree_digest(tmp_path)
+    args = [arg.replace("{tmp}", str(tmp_path)) for arg in case.feed.args]
+    env = os.environ | {"PYTHONPATH": str(ROOT), "COLUMNS": "250", "NO_COLOR": "1"}
+    command = [sys.executable, "-m", "flows.cli", *args]
+    done = subprocess.run(command, cwd=tmp_path / "cwd", env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == case.expect, f"exit {done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}"
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert_message(case, done.stderr)
+    assert len(done.stderr) < 5000, "an error for a person, not a dump of the input"
+    assert tree_digest(tmp_path) == before, "a refused command changed files"
+
+
+# -- engine API ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return committed_model_dir(tmp_path_factory.mktemp("model") / "v0", seed=0)
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir: Path) -> TestClient:
+    """The CPU engine's app, in this process; the client sends no API key unless told to."""
+    cpu = CpuEngine(model_dir, max_batch_size=4, weight_version="0")
+    try:
+        with TestClient(create_app(cpu, api_key=API_KEY), raise_server_exceptions=False) as client:
+            yield client
+    finally:
+        cpu.shutdown()
+
+
+def call(client: TestClient, request: Request):
+    kwargs = dict(request.kwargs)
+    headers = dict(kwargs.pop("headers", {}))
+    if request.key is not None:
+        headers["Authorization"] = f"Bearer {request.key}"
+    return client.request(request.method, request.path, headers=headers, **kwargs)
+
+
+def assert_engine_still_serves(client: TestClient) -> None:
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    assert client.get("/health").status_code == 200
+    assert client.get("/model_info", headers=auth).json()["weight_version"] == "0", "the old weights serve on"
+    body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2, "ignore_eos": True}}
+    answer = client.post("/generate", json=body, headers=auth)
+    assert answer.status_code == 200 and answer.json()["meta_info"]["completion_tokens"] == 2, answer.text[:500]
+
+
+@cases_of("engine")
+def test_engine_api(case: Case, engine: TestClient):
+    started = time.monotonic()
+    response = call(engine, case.feed)
+    elapsed = time.monotonic() - started
+    assert response.status_code == case.expect, response.text[:1000]
+    assert_message(case, response.text)
+    assert len(response.text) < 5000, "the error must not echo the input back"
+    assert elapsed < 30, f"{case.id} took {elapsed:.1f}s"
+    assert_engine_still_serves(engine)
+
+
+# -- shards ----------------------------------------------------------------------------------------
+
+
+@cases_of("shard")
+def test_shards(case: Case, file_store: RunStore):
+    run_dir = file_store.local_path("")
+    good = write_shard(file_store, make_rollouts(), "gen0", 0).key
+    key, built = case.feed.key, case.feed.build()
+    if isinstance(built, list):
+        if case.feed.writer_refuses:
+            name = parse_shard_key(key)
+            with pytest.raises(ShardError) as refused:
+                write_shard(file_store, built, name.producer, name.seq, context_length=CONTEXT_LENGTH)
+            assert_message(case, refused.value.reason)
+        built = encode_shard(rollouts_to_table(built))
+    put_raw(file_store, key, built)
+    assert list_shards(file_store) == sorted([good, key])
+    before = tree_digest(run_dir)
+
+    result = read_valid_shards(file_store, list_shards(file_store), TRAINER_VERSION, vocab_size=VOCAB_SIZE,
+                               context_length=CONTEXT_LENGTH)  # fmt: skip
+
+    assert list(result.tables) == [good], "the good shard is still read"
+    assert list(result.quarantined) == [key]
+    assert_message(case, result.quarantined[key])
+    after = tree_digest(run_dir)
+    assert outside_quarantine(after) == {path: d for path, d in before.items() if path != key}
+    assert after[f"quarantine/{key}"] == before[key], "quarantine keeps the bytes as they were"
+    reason = json.loads((run_dir / f"quarantine/{key}.reason.json").read_bytes())
+    assert reason["key"] == key and reason["reason"] == result.quarantined[key]
+
+
+# -- snapshots -------------------------------------------------------------------------------------
+
+
+@cases_of("snapshot")
+def test_snapshots(case: Case, file_store: RunStore, model_dir: Path, tmp_path: Path, request):
+    publish_snapshot_dir(file_store, model_dir, 1)
+    snapshot_dir = file_store.local_path(snapshot_prefix(1))
+    case.feed.damage(snapshot_dir)
+    run_dir = file_store.local_path("")
+    before = tree_digest(run_dir)
+
+    if case.feed.consumer == "engine":
+        client = request.getfixturevalue("engine")
+        body = {"model_path": str(snapshot_dir), "weight_version": "1"}
+        response = call(client, Request("/update_weights_from_disk", {"json": body}))
+        assert response.status_code == case.expect, response.text[:1000]
+        assert response.json()["success"] is False
+        assert_message(case, response.json()["message"])
+        assert_engine_still_serves(client)
+    else:
+        cache = tmp_path / "cache"
+        with pytest.raises(case.expect) as refused:
+            load_snapshot(file_store, cache, case.feed.version)
+        assert_message(case, str(refused.value))
+        assert not cache.exists() or list(cache.iterdir()) == [], "no copy, whole or partial, is left to load"
+    assert tree_digest(run_dir) == before, "a refused snapshot changed the run directory"
+
