@@ -22,7 +22,7 @@ run: install
 
 ## Install, then run the whole test suite (real SeaweedFS and engines on loopback).
 test: install
-	$(BIN)/pytest; code=$$?; [ $$code -ne 5 ] || echo "pytest collected no tests: failing" >&2; exit $$code
+	$(BIN)/pytest --durations=15; code=$$?; [ $$code -ne 5 ] || echo "pytest collected no tests: failing" >&2; exit $$code
 
 ## The tests that start no server.
 test-fast: install
