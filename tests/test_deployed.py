@@ -171,6 +171,34 @@ def test_a_bad_parameter_is_refused_at_submission_naming_the_field(deployment, p
     assert f"Validation failed for field '{field}'" in done.stdout + done.stderr
 
 
+def test_s3_credentials_are_written_nowhere(deployment, finished):
+    """The workers read the S3 key and secret from their environment. Neither may appear in any
+    object of the run directory (metrics included), in any artifact, flow-run parameter or log
+    line the server holds, or in the server's and workers' own log files."""
+    run_id, _ = finished
+    secrets = [S3_KEY.encode(), S3_SECRET.encode()]
+    store = deployment.store(run_id)
+    objects = store.list_recursive("")
+    assert any(k.startswith("metrics/") for k in objects) and any(k.startswith("weights/") for k in objects)
+    leaks = [key for key in objects if any(secret in store.read_bytes(key) for secret in secrets)]
+    with deployment.client() as client:
+        held = [a.model_dump_json() for a in _all_pages(client.read_artifacts)]
+        held += [r.model_dump_json() for r in _all_pages(client.read_flow_runs)]
+        held += [log.message for log in _all_pages(client.read_logs)]
+    leaks += [text[:200] for text in held if any(secret.decode() in text for secret in secrets)]
+    leaks += [f.name for f in deployment.logs.glob("*.log") if any(secret in f.read_bytes() for secret in secrets)]
+    assert len(held) > 100 and not leaks, leaks
+
+
+def _all_pages(read, page: int = 200) -> list:
+    """Every object a paginated Prefect client `read_*` call returns."""
+    items, offset = [], 0
+    while batch := read(limit=page, offset=offset):
+        items += batch
+        offset += page
+    return items
+
+
 def test_published_snapshots_trigger_evaluation(deployment, finished):
     run_id, _ = finished
     store = deployment.store(run_id)
