@@ -125,9 +125,11 @@ def prepare_initial_model(cfg: ModelConfig, out_dir: Path, seed: int) -> Path:
 
 
 def load_model(path: Path | str, dtype: torch.dtype | str | None = None) -> PreTrainedModel:
-    """Load an HF causal LM directory (tiny or real); dtype None keeps the one in config.json."""
+    """Load an HF causal LM directory (tiny or real); dtype None keeps the one in config.json.
+    Weights load from safetensors only: a directory with only pytorch_model.bin (a pickle) is
+    refused with an OSError rather than unpickled."""
     return AutoModelForCausalLM.from_pretrained(
-        str(path), dtype="auto" if dtype is None else dtype, attn_implementation="sdpa"
+        str(path), dtype="auto" if dtype is None else dtype, attn_implementation="sdpa", use_safetensors=True
     )
 
 

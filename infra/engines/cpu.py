@@ -18,11 +18,13 @@ the sampled token, as SGLang returns by default: exactly what the trainer recomp
 
 from __future__ import annotations
 
+import pickle
 from collections import Counter
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from infra.engines.api import SamplingParams
@@ -83,7 +85,7 @@ class CpuEngine(ScheduledEngine):
 
     def __init__(self, model_path: str | Path, max_batch_size: int = 32, weight_version: str = "default"):
         super().__init__(model_path, max_batch_size, weight_version)
-        self.model = AutoModelForCausalLM.from_pretrained(self.model_path).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(self.model_path, use_safetensors=True).eval()
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.vocab_size = self.model.config.vocab_size
         self.context_length = self.model.config.max_position_embeddings
@@ -114,11 +116,16 @@ class CpuEngine(ScheduledEngine):
         return self.run_command(mark).result()
 
     def update_weights(self, model_path: str, weight_version: str | None) -> tuple[bool, str]:
-        """Verify the snapshot's manifest, then load its weights in place between two steps."""
+        """Verify the snapshot's manifest, then load its weights in place between two steps.
+
+        Weights load from safetensors only: without use_safetensors=True, from_pretrained falls
+        back to unpickling pytorch_model.bin (a .bin that config.json names explicitly still goes
+        to torch.load, with weights_only=True, which refuses anything but tensors). A file that is
+        not what it claims to be is a refusal naming the reason, not a server error."""
         try:
             verify_local_dir(Path(model_path))
-            fresh = AutoModelForCausalLM.from_pretrained(model_path)
-        except (ManifestError, OSError, ValueError) as err:
+            fresh = AutoModelForCausalLM.from_pretrained(model_path, use_safetensors=True)
+        except (ManifestError, OSError, ValueError, SafetensorError, pickle.UnpicklingError) as err:
             return False, f"refused {model_path}: {err}"
         if fresh.config.vocab_size != self.vocab_size:
             return False, f"refused {model_path}: vocab_size {fresh.config.vocab_size} != {self.vocab_size}"
