@@ -18,9 +18,9 @@ the sampled token, as SGLang returns by default: exactly what the trainer recomp
 
 from __future__ import annotations
 
-import pickle
 from collections import Counter
 from pathlib import Path
+from pickle import UnpicklingError
 
 import torch
 import torch.nn.functional as F
@@ -125,7 +125,7 @@ class CpuEngine(ScheduledEngine):
         try:
             verify_local_dir(Path(model_path))
             fresh = AutoModelForCausalLM.from_pretrained(model_path, use_safetensors=True)
-        except (ManifestError, OSError, ValueError, SafetensorError, pickle.UnpicklingError) as err:
+        except (ManifestError, OSError, ValueError, SafetensorError, UnpicklingError) as err:
             return False, f"refused {model_path}: {err}"
         if fresh.config.vocab_size != self.vocab_size:
             return False, f"refused {model_path}: vocab_size {fresh.config.vocab_size} != {self.vocab_size}"
