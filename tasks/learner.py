@@ -111,6 +111,7 @@ class Learner:
         """The next batch's shards (key -> table), waiting until enough are there; None if told to stop."""
         groups = self.config.training.prompts_per_step
         chosen: dict[str, pa.Table] = {}
+        seen_groups = set(self.ledger.trained_groups)
         started = time.monotonic()
         self.poll_seconds = 0.0
         while len(chosen) < groups:
@@ -131,9 +132,11 @@ class Learner:
             for key, reason in valid.quarantined.items():
                 self._dispose(key, "quarantined", samples=1)
             for key, table in valid.tables.items():
-                if table["group_id"][0].as_py() in self.ledger.trained_groups:
+                group = table["group_id"][0].as_py()
+                if group in seen_groups:  # a copy of a group trained before, or already in this batch
                     self._dispose(key, "duplicate", samples=table.num_rows)
                 else:
+                    seen_groups.add(group)
                     chosen[key] = table
         self.wait_seconds = time.monotonic() - started
         self.idle_seconds += self.wait_seconds

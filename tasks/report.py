@@ -9,17 +9,25 @@ report can be made for any run, finished or killed, local or deployed:
 stale and duplicate counts from the learner's ledger (rows it actually read), and `pending` from
 listing the committed shards the ledger never disposed of. A shard lost between a generator and
 the trainer would break the equality, which is why it is checked rather than derived.
+
+A shard that no generator recorded (a copy of a shard under a second key, say) is foreign: it is
+counted apart (`foreign_shards`) and its rows are taken out of the ledger's counts, since they
+were never generated. The learner trains a group once whichever copy it reads first, and
+disposes of the other as a duplicate.
 """
 
 from __future__ import annotations
 
 import io
 import json
+from collections import Counter
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+import pyarrow as pa  # noqa: E402
+import pyarrow.parquet as pq  # noqa: E402
 
 from infra.storage import RunStore  # noqa: E402
 from tasks.learner import LEDGER_KEY, Ledger  # noqa: E402
@@ -48,16 +56,30 @@ def accounting(store: RunStore) -> dict:
         ledger = Ledger()
     pending_keys = [k for k in list_shards(store) if k not in ledger.disposed]
     quarantined = sum(generated.get(k, {}).get("samples", 0) for k, fate in ledger.disposed.items() if fate == "quarantined")
+    foreign = [k for k in [*ledger.disposed, *pending_keys] if k not in generated]
+    foreign_rows = Counter()
+    for key in foreign:
+        foreign_rows[ledger.disposed.get(key, "pending")] += _rows_of(store, key)
     counts = {
         "generated": sum(r["samples"] for r in generated.values()),
-        "trained": ledger.counts["trained"],
-        "dropped_stale": ledger.counts["dropped_stale"],
+        "trained": ledger.counts["trained"] - foreign_rows["trained"],
+        "dropped_stale": ledger.counts["dropped_stale"] - foreign_rows["stale"],
         "quarantined": quarantined,
-        "duplicate": ledger.counts["duplicate"],
+        "duplicate": ledger.counts["duplicate"] - foreign_rows["duplicate"],
         "pending": sum(generated.get(k, {}).get("samples", 0) for k in pending_keys),
     }
     accounted = sum(v for k, v in counts.items() if k != "generated")
-    return counts | {"identity_holds": accounted == counts["generated"], "max_trained_lag": max(ledger.lags, default=0)}
+    return counts | {"identity_holds": accounted == counts["generated"], "foreign_shards": len(foreign),
+                     "max_trained_lag": max(ledger.lags, default=0)}  # fmt: skip
+
+
+def _rows_of(store: RunStore, key: str) -> int:
+    """Rows of a shard from its Parquet footer; 0 for one that does not parse (the ledger counts
+    no rows for a quarantined shard either)."""
+    try:
+        return pq.read_metadata(io.BytesIO(store.read_bytes(key))).num_rows
+    except (OSError, ValueError, pa.ArrowException):
+        return 0
 
 
 def train_steps(store: RunStore) -> list[dict]:

@@ -38,10 +38,27 @@ def test_the_identity_sees_a_lost_shard(tmp_path):
     store.write_atomic(LEDGER_KEY, json.dumps(ledger.to_json()).encode())
     assert accounting(store) | {"max_trained_lag": 0} == {
         "generated": 24, "trained": 8, "dropped_stale": 0, "quarantined": 0, "duplicate": 0, "pending": 16,
-        "identity_holds": True, "max_trained_lag": 0,
+        "identity_holds": True, "foreign_shards": 0, "max_trained_lag": 0,
     }  # fmt: skip
     store.delete(keys[2])  # a committed shard vanishes without the ledger knowing
     assert accounting(store)["identity_holds"] is False
+
+
+def test_a_copy_of_a_shard_under_a_second_key_is_foreign_and_leaves_the_identity_whole(tmp_path):
+    store = open_run_store(StorageConfig(root=f"file://{tmp_path}"), "run")
+    generator = MetricsLog(store, "generator-gen0", flush_seconds=0)
+    keys = [write_shard(store, make_rollouts(n=8, version=0), "gen0", slot).key for slot in range(2)]
+    for slot, key in enumerate(keys):
+        generator.log("group", slot=slot, key=key, samples=8, started_at=1.0, finished_at=2.0)
+    copy = keys[0].replace("000000.parquet", "999999.parquet")
+    store.put_if_absent(copy, store.read_bytes(keys[0]))
+    # the learner read the copy first and trained it, then found the original a duplicate
+    ledger = Ledger(disposed={copy: "trained", keys[0]: "duplicate"}, trained_groups=["s00000000"],
+                    counts={"trained": 8, "dropped_stale": 0, "quarantined": 0, "duplicate": 8})  # fmt: skip
+    store.write_atomic(LEDGER_KEY, json.dumps(ledger.to_json()).encode())
+    counts = accounting(store)
+    assert counts["foreign_shards"] == 1 and counts["identity_holds"], counts
+    assert (counts["generated"], counts["trained"], counts["duplicate"], counts["pending"]) == (16, 0, 8, 8)
 
 
 def test_the_summary_writes_both_plots(tmp_path):

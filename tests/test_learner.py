@@ -1,0 +1,57 @@
+"""The learner's admission against a real run directory: a group reaches a batch once, however
+many copies of its shard storage holds (benchmarks/faults.py copies one under a second key)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from configs import TINY_CONFIG, load_config
+from infra.modelfactory import build_model, build_tokenizer
+from infra.storage import open_run_store
+from tasks.learner import Learner
+from tasks.metrics import MetricsLog
+from tasks.shards import shard_key, write_shard
+from tests.test_shards import make_rollouts
+
+
+def make_learner(tmp_path: Path) -> Learner:
+    config = load_config(TINY_CONFIG, [f"storage.root=file://{tmp_path}", "training.prompts_per_step=2", "lag.max_lag=1"])
+    store = open_run_store(config.storage, config.run_id)
+    tokenizer = build_tokenizer()
+    model = build_model(config.model, vocab_size=len(tokenizer), seed=0)
+    return Learner(config, store, model, tokenizer, tmp_path / "cache", MetricsLog(store, "trainer"))
+
+
+def write_group(learner: Learner, group: str, seq: int) -> str:
+    rollouts = [dataclasses.replace(r, group_id=group) for r in make_rollouts(n=4, version=0)]
+    return write_shard(learner.store, rollouts, "gen0", seq).key
+
+
+def copy_shard(learner: Learner, key: str, seq: int) -> str:
+    copy = shard_key(0, "gen0", seq)
+    assert learner.store.put_if_absent(copy, learner.store.read_bytes(key))
+    return copy
+
+
+def test_a_copy_that_lands_in_the_same_batch_as_its_original_is_a_duplicate(tmp_path: Path):
+    learner = make_learner(tmp_path)
+    original = write_group(learner, "s00000000", seq=0)
+    copy = copy_shard(learner, original, seq=1)  # sorts right after the original: the two oldest
+    other = write_group(learner, "s00000001", seq=2)
+    batch = learner.admit_batch(poll_seconds=0.01)
+    assert sorted(batch) == [original, other]
+    assert learner.ledger.disposed == {copy: "duplicate"}
+    assert learner.ledger.counts["duplicate"] == 4
+
+
+def test_a_copy_of_a_trained_group_is_never_trained_again(tmp_path: Path):
+    learner = make_learner(tmp_path)
+    first = [write_group(learner, f"s{slot:08d}", seq=slot) for slot in range(2)]
+    learner.train_step(learner.admit_batch(poll_seconds=0.01))
+    copy = copy_shard(learner, first[0], seq=7)
+    fresh = [write_group(learner, f"s{slot:08d}", seq=slot + 6) for slot in range(2, 4)]  # after the copy
+    batch = learner.admit_batch(poll_seconds=0.01)
+    assert sorted(batch) == fresh
+    assert learner.ledger.disposed[copy] == "duplicate"
+    assert learner.ledger.trained_groups == ["s00000000", "s00000001"]
