@@ -329,7 +329,12 @@ def open_run_store(storage: StorageConfig, run_id: str) -> RunStore:
     store = RunStore(fs, f"{rest.strip('/')}/{run_id}", f"s3://{rest.strip('/')}/{run_id}", storage.retry_seconds)
     if not store._retry(fs.exists, bucket):
         log.info("creating bucket %s", bucket)
-        store._retry(fs.mkdir, bucket)
+        try:
+            store._retry(fs.mkdir, bucket)
+        except FileExistsError:
+            # Another process created it meanwhile, or a server just restarted answered "no such
+            # bucket" before it had loaded its buckets (seen with SeaweedFS: benchmarks/faults.py).
+            pass
     return store
 
 

@@ -273,3 +273,14 @@ def test_credentials_come_from_a_prefect_secret_block_when_named(seaweed, monkey
         assert (store.fs.key, store.fs.secret) == ("block-key", "block-secret")
         with pytest.raises(ValueError, match="tandem-s3-incomplete.*must hold"):
             open_run_store(s3_storage_config(seaweed, key=None, secret=None, credentials_block="tandem-s3-incomplete"), "run-secret")
+
+
+@pytest.mark.s3
+def test_processes_opening_a_new_bucket_at_once_all_get_it(seaweed: SeaweedServer):
+    """Each sees no bucket, each creates it: the ones that lose the race must not fail (generator
+    workers open their store per group, all at once after a storage restart)."""
+    config = s3_storage_config(seaweed, root="s3://raced-bucket/runs")
+    with ThreadPoolExecutor(8) as pool:
+        stores = list(pool.map(lambda i: open_run_store(config, f"run{i}"), range(8)))
+    stores[0].write_atomic("k", b"v")
+    assert stores[0].read_bytes("k") == b"v"
