@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import dask
 from distributed import as_completed, worker_client
 from prefect import flow, task
 from prefect.cache_policies import NONE
@@ -35,7 +36,7 @@ from prefect_dask import DaskTaskRunner
 from configs.schema import RunConfig
 from infra.engines.fleet import EngineFleet
 from infra.storage import open_run_store
-from tasks.generator import GroupResult, GroupSpec, Generator, generate_group, snapshot_dir_for_engines
+from tasks.generator import GroupResult, GroupSpec, Generator, SnapshotRejected, generate_group, snapshot_dir_for_engines
 from tasks.lag import IN_FLIGHT_TTL_SECONDS, publish_in_flight, read_trainer_state, retire_requested, withdraw_in_flight
 from tasks.metrics import MetricsLog
 
@@ -81,8 +82,15 @@ def dask_task_runner(config: RunConfig) -> DaskTaskRunner:
     worker from its entrypoint) has no other place to take it from.
 
     Dask's own INFO lines (a client connection per chunk) would bury the run's progress, so
-    its loggers are kept to warnings."""
+    its loggers are kept to warnings.
+
+    The workers' statistical profiler is off. It calls sys._current_frames() every 10 ms, and on
+    CPython 3.11 a garbage collection inside that call, while another thread starts (each chunk
+    secedes a thread), deadlocks the whole worker process with no error (CPython gh-106883,
+    fixed in 3.12 only): a run of benchmarks/faults.py hung that way, every worker thread
+    waiting for the GIL. The nanny hands this config to the worker processes it starts."""
     logging.getLogger("distributed").setLevel(logging.WARNING)
+    dask.config.set({"distributed.worker.profile.enabled": False})
     if config.dask.address:
         return DaskTaskRunner(address=config.dask.address)
     return DaskTaskRunner(
@@ -127,9 +135,13 @@ def generation(config: RunConfig, producer: str = "gen0") -> dict:
             if fleet.restart_dead():
                 totals["engine_restarts"] = fleet.restarts
                 metrics.log("engines_restarted", version=fleet.version, engines=fleet.describe(), restarts=fleet.restarts)
-            if generator.refresh_weights():
-                totals["weight_updates"] += 1
-                metrics.log("weights_loaded", version=fleet.version)
+            try:
+                if generator.refresh_weights():
+                    totals["weight_updates"] += 1
+                    metrics.log("weights_loaded", version=fleet.version)
+            except SnapshotRejected as rejected:
+                print(f"{producer}: {rejected}; the engines stay on v{fleet.version}")
+                metrics.log("snapshot_rejected", version=rejected.version, reason=rejected.reason[:500])
             for chunk in [c for c in in_flight if c.future.wrapped_future.done()]:
                 in_flight.remove(chunk)
                 _record(metrics, totals, chunk.future.result(), fleet.version)

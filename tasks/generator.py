@@ -34,13 +34,14 @@ from configs.schema import RunConfig, StorageConfig
 from infra.engines.api import SamplingParams
 from infra.engines.client import EngineClient
 from infra.engines.fleet import EngineFleet
+from infra.manifest import ManifestError
 from infra.modelfactory import load_tokenizer
 from infra.storage import RunStore, open_run_store
 from tasks.envs import Prompt, load_environment
 from tasks.lag import SlotClaims, admission_capacity, read_trainer_state, required_version
 from tasks.rollout import run_group
 from tasks.shards import MAX_SEQ, committed_slots, parse_shard_key, shard_key, write_shard
-from tasks.snapshots import latest_version, load_snapshot, pin_snapshot, snapshot_prefix
+from tasks.snapshots import latest_version, load_snapshot, pin_snapshot, snapshot_prefix, snapshot_versions
 
 log = logging.getLogger(__name__)
 
@@ -186,6 +187,8 @@ class Generator:
         committed = committed_slots(self.store)
         self.committed_at_start = {slot: key for slot, key in committed.items() if parse_shard_key(key).producer == producer}
         """Slot -> key of every group this producer committed before this start (an earlier life's)."""
+        self.rejected_snapshots: set[int] = set()
+        """Versions whose snapshot failed verification: never tried again."""
         self.orphans = self.claims.claimed_by_me(exclude=set(committed))
         """Slots an earlier life of this producer claimed but never committed (it died with them
         in flight). They are generated first: left alone, the capacity they hold would leak,
@@ -196,12 +199,22 @@ class Generator:
         return self.fleet.version
 
     def refresh_weights(self) -> bool:
-        """Load the newest committed snapshot into the engines if it is newer; True if it was."""
+        """Load the newest committed snapshot into the engines if it is newer; True if it was.
+
+        A snapshot that fails verification (damaged after its commit: a file truncated or
+        changed) raises `SnapshotRejected` once and is skipped from then on. The engines keep
+        the weights they have, which the lag bound still covers, until a newer snapshot
+        verifies: the trainer publishes one every `publish_every` steps. Crashing here instead
+        would take the whole generation side down for one bad object."""
         newest = latest_version(self.store)
-        if newest is None or newest <= self.fleet.version:
+        if newest is None or newest <= self.fleet.version or newest in self.rejected_snapshots:
             return False
         pin_snapshot(self.store, self.producer, newest)
-        local = load_snapshot(self.store, self.cache_dir / "weights", newest)
+        try:
+            local = load_snapshot(self.store, self.cache_dir / "weights", newest)
+        except ManifestError as err:
+            self.rejected_snapshots.add(newest)
+            raise SnapshotRejected(newest, str(err)) from err
         results = self.fleet.update_weights(local, newest)
         failed = [r for r in results if not r.ok]
         if failed:
@@ -239,9 +252,25 @@ class Generator:
 
 
 def snapshot_dir_for_engines(config: RunConfig, cache_dir: Path) -> tuple[Path, int]:
-    """The newest snapshot as a verified local directory, to start engines on."""
+    """The newest snapshot that verifies, as a local directory, to start engines on: a damaged
+    newest one is passed over for the one before it (v0 is never retired)."""
     store = open_run_store(config.storage, config.run_id)
-    version = latest_version(store)
-    if version is None:
+    latest = latest_version(store)
+    if latest is None:
         raise FileNotFoundError(f"no snapshot under {store.url_of(snapshot_prefix(0))}: run `tandem init` first")
-    return load_snapshot(store, cache_dir / "weights", version), version
+    rejected = []
+    for version in sorted((v for v in snapshot_versions(store) if v <= latest), reverse=True):
+        try:
+            return load_snapshot(store, cache_dir / "weights", version), version
+        except ManifestError as err:
+            rejected.append(f"v{version}: {err}")
+            log.warning("snapshot v%d failed verification, trying an older one: %s", version, err)
+    raise ManifestError(f"no snapshot of {store.url} verifies: {'; '.join(rejected)}")
+
+
+class SnapshotRejected(Exception):
+    """The newest snapshot failed verification; the engines stay on the weights they have."""
+
+    def __init__(self, version: int, reason: str):
+        super().__init__(f"snapshot v{version} rejected: {reason}")
+        self.version, self.reason = version, reason

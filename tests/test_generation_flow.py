@@ -41,3 +41,27 @@ def test_chunks_starting_while_others_finish_all_fan_out():
     with prefect_test_harness():
         results = _many_chunks_at_once(60)
     assert results == [list(range(4 * i, 4 * i + 4)) for i in range(60)]
+
+
+def _profiler_setting(_: int) -> bool:
+    import dask
+
+    return dask.config.get("distributed.worker.profile.enabled")
+
+
+@task(cache_policy=NONE)
+def _profiler_settings_on_the_workers() -> list[bool]:
+    return fan_out(_profiler_setting, [0, 1])
+
+
+@flow
+def _worker_profiler_flow() -> list[bool]:
+    config = load_config(TINY_CONFIG, ["dask.n_workers=1", "dask.threads_per_worker=2"])
+    with dask_task_runner(config) as dask:
+        return dask.submit(_profiler_settings_on_the_workers, {}).result()
+
+
+def test_the_worker_processes_run_without_the_statistical_profiler():
+    """On CPython 3.11 its sys._current_frames() calls can deadlock a worker (gh-106883)."""
+    with prefect_test_harness():
+        assert _worker_profiler_flow() == [False, False]

@@ -14,6 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from configs import TINY_CONFIG, load_config
 from configs.schema import ModelConfig
 from infra.manifest import (
     MANIFEST_FORMAT,
@@ -24,7 +25,8 @@ from infra.manifest import (
     verify_local_dir,
 )
 from infra.modelfactory import build_model, build_tokenizer, load_model, load_tokenizer
-from infra.storage import RunStore
+from infra.storage import RunStore, open_run_store
+from tasks.generator import snapshot_dir_for_engines
 from tasks.snapshots import (
     apply_retention,
     latest_version,
@@ -260,3 +262,16 @@ def test_nested_names_round_trip_and_unlisted_files_are_ignored(store: RunStore,
     (local / "config.json").unlink()
     with pytest.raises(ManifestError, match="config.json: listed in the manifest but missing"):
         verify_local_dir(local)
+
+
+def test_engines_start_on_the_newest_snapshot_that_verifies(model, tokenizer, tmp_path: Path):
+    """A snapshot damaged after its commit (benchmarks/faults.py truncates one) is passed over for
+    the one before it, instead of failing the generator that starts on it."""
+    config = load_config(TINY_CONFIG, [f"storage.root=file://{tmp_path / 'runs'}"])
+    store = open_run_store(config.storage, config.run_id)
+    for version in (0, 1):
+        publish_snapshot(store, model, tokenizer, version)
+    damaged = store.local_path("weights/v00000001/model.safetensors")
+    damaged.write_bytes(damaged.read_bytes()[:1000])
+    model_dir, version = snapshot_dir_for_engines(config, tmp_path / "cache")
+    assert version == 0 and (model_dir / "model.safetensors").exists()
