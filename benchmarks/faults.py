@@ -16,8 +16,10 @@ the run directory, not the processes' word for it:
 - recovery: seconds from the fault to the next trained step (the trainer's step records).
 
 A row survived when it finished, the identity held, and nothing was trained twice or past
-max_lag. The embedded faults (the first seven) run `python -m flows.pipeline`; the last one
-restarts the Prefect server under a deployed run (benchmarks/prefect_restart.py).
+max_lag. The embedded faults (the first seven) run `python -m flows.pipeline` against one Prefect
+server that the matrix starts (rather than each run's ephemeral one, whose start-up times out
+on a loaded 2-core machine); the last one restarts the Prefect server under a deployed run
+(benchmarks/prefect_restart.py).
 
 Usage: python benchmarks/faults.py [--quick] [--only 1,5,...] [--seed N] [--steps K] [--out FILE] [--keep DIR]
 --quick runs the first four faults. The last line is `faults_survived: K/N`.
@@ -48,7 +50,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from configs.schema import StorageConfig  # noqa: E402
-from infra.prefect_server import descendants  # noqa: E402
+from infra.prefect_server import PrefectServer, descendants  # noqa: E402
 from infra.seaweed import SeaweedServer, free_s3_port  # noqa: E402
 from infra.storage import RunStore, open_run_store  # noqa: E402
 from tasks.learner import LEDGER_KEY  # noqa: E402
@@ -72,6 +74,7 @@ class EmbeddedRun:
     seaweed: SeaweedServer
     work_dir: Path
     steps: int
+    prefect_env: dict[str, str]
     process: subprocess.Popen | None = field(default=None, repr=False)
 
     @property
@@ -89,7 +92,7 @@ class EmbeddedRun:
             "training.checkpoint_every=2", "generation.prompts_per_chunk=2", "env.eval_prompts=4",
             f"lag.max_lag={MAX_LAG}", "dask.n_workers=1",
         ]  # fmt: skip
-        env = os.environ | {"AWS_ACCESS_KEY_ID": KEY, "AWS_SECRET_ACCESS_KEY": SECRET, "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+        env = os.environ | self.prefect_env | {"AWS_ACCESS_KEY_ID": KEY, "AWS_SECRET_ACCESS_KEY": SECRET, "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
         log = open(self.work_dir / f"{self.name}.log", "ab")
         self.process = subprocess.Popen(
             [sys.executable, "-m", "flows.pipeline", str(ROOT / "configs" / "tiny.yaml"), *overrides],
@@ -176,12 +179,17 @@ def corrupt_shard(run: EmbeddedRun, rng: random.Random) -> str:
 
 
 def duplicate_shard(run: EmbeddedRun, rng: random.Random) -> str:
-    """Copy the next shard to be committed under a second key of the same producer and version,
-    so that it passes every check of a shard's own content and can land in the same batch."""
+    """Copy the next shard to be committed under a second key in its own version directory, so
+    that it passes every check of a shard's own content. The copy's sequence number is one an
+    older version directory already used (so no generator will ever write that key) and sorts
+    before the original's, so the trainer, which takes the oldest first, meets the copy first."""
     store = run.store
     key = _next_new_shard(store)
     name = parse_shard_key(key)
-    copy = shard_key(name.version, name.producer, 999_999 - rng.randrange(1000))
+    here = {parse_shard_key(k).seq for k in list_shards(store, min_version=name.version, max_version=name.version)}
+    older = [parse_shard_key(k).seq for k in list_shards(store, max_version=name.version - 1) if parse_shard_key(k).producer == name.producer]
+    free = sorted(seq for seq in older if seq not in here and seq < name.seq)
+    copy = shard_key(name.version, name.producer, free[-1] if free else 999_999)
     store.put_if_absent(copy, store.read_bytes(key))
     return f"{key} copied to {copy}"
 
@@ -214,18 +222,24 @@ FAULTS = [*EMBEDDED_FAULTS, PREFECT_RESTART]
 QUICK = FAULTS[:4]
 
 
-def run_embedded_fault(name: str, seaweed: SeaweedServer, work_dir: Path, rng: random.Random, steps: int) -> dict:
-    run = EmbeddedRun(f"fault{FAULTS.index(name) + 1}", seaweed, work_dir, steps)
+def run_embedded_fault(name: str, seaweed: SeaweedServer, prefect: PrefectServer, work_dir: Path, rng: random.Random,
+                       steps: int) -> dict:  # fmt: skip
+    run = EmbeddedRun(f"fault{FAULTS.index(name) + 1}", seaweed, work_dir, steps, prefect.env())
     run.start()
     try:
         _wait_for_first_publish(run.store, run.process)
         time.sleep(rng.uniform(0.0, 3.0))
         fault_at = time.time()
-        detail = EMBEDDED_FAULTS[name](run, rng)
+        injected = True
+        try:
+            detail = EMBEDDED_FAULTS[name](run, rng)
+        except Exception as err:  # the run goes on; the row says the fault never struck
+            injected, detail = False, f"fault not injected: {type(err).__name__}: {err}"
         finished = run.wait()
     finally:
         run.kill()
-    return {"finished": finished, "store": run.store, "fault_at": fault_at, "detail": detail, "log": str(work_dir / f"{run.name}.log")}
+    return {"finished": finished, "injected": injected, "store": run.store, "fault_at": fault_at, "detail": detail,
+            "log": str(work_dir / f"{run.name}.log")}  # fmt: skip
 
 
 def _wait_for_first_publish(store: RunStore, process: subprocess.Popen, timeout: float = 180.0) -> None:
@@ -302,10 +316,12 @@ def _lag_violations(store: RunStore, ledger: dict, max_lag: int) -> int:
 
 
 def survived(row: dict) -> bool:
-    return bool(row["finished"] and row.get("identity_holds") and row.get("trained_twice") == 0 and row.get("lag_violations") == 0)
+    """Finished, identity held, nothing trained twice or past max_lag; and the fault did strike."""
+    checks = row.get("identity_holds") and row.get("trained_twice") == 0 and row.get("lag_violations") == 0
+    return bool(row["injected"] and row["finished"] and checks)
 
 
-def run_fault(name: str, seaweed: SeaweedServer, work_dir: Path, seed: int, steps: int) -> dict:
+def run_fault(name: str, seaweed: SeaweedServer, prefect: PrefectServer, work_dir: Path, seed: int, steps: int) -> dict:
     rng = random.Random(f"{seed}-{name}")
     started = time.monotonic()
     if name == PREFECT_RESTART:
@@ -314,9 +330,10 @@ def run_fault(name: str, seaweed: SeaweedServer, work_dir: Path, seed: int, step
         outcome = run_with_prefect_restart(work_dir / "deployed", seaweed, seed, steps=steps)
         max_lag = outcome["max_lag"]
     else:
-        outcome = run_embedded_fault(name, seaweed, work_dir, rng, steps)
+        outcome = run_embedded_fault(name, seaweed, prefect, work_dir, rng, steps)
         max_lag = MAX_LAG
-    row = {"fault": name, "finished": outcome["finished"], "detail": outcome["detail"], "log": outcome.get("log")}
+    row = {"fault": name, "injected": outcome.get("injected", True), "finished": outcome["finished"],
+           "detail": outcome["detail"], "log": outcome.get("log")}  # fmt: skip
     try:
         row |= check_run(outcome["store"], max_lag, outcome["fault_at"])
     except Exception as err:  # a run that died may have no ledger: it did not survive, say why
@@ -361,16 +378,18 @@ def main(argv: list[str] | None = None) -> int:
         work_dir = args.keep or Path(tmp)
         work_dir.mkdir(parents=True, exist_ok=True)
         seaweed = SeaweedServer(work_dir / "s3", free_s3_port()).start()
+        prefect = PrefectServer(work_dir / "prefect").start()
         try:
             for name in chosen:
                 console.print(f"[bold]{name}[/bold] ...")
-                row = run_fault(name, seaweed, work_dir, args.seed, args.steps)
+                row = run_fault(name, seaweed, prefect, work_dir, args.seed, args.steps)
                 console.print(f"  {'survived' if row['survived'] else 'NOT survived'} in {row['seconds']:.0f} s: {row['detail']}")
                 if not row["survived"]:
                     console.print(f"  {json.dumps({k: v for k, v in row.items() if k != 'detail'})}")
                     console.print(f"  log: {row.get('log')} (kept with --keep DIR)")
                 rows.append(row)
         finally:
+            prefect.stop()
             seaweed.stop()
     table = markdown_table(rows)
     print(table)
