@@ -16,6 +16,17 @@ the pipeline run, and then watches them every `prefect.watch_seconds` until trai
   still running after `DRAIN_SECONDS` is cancelled. If training failed, or the parent itself
   fails or is cancelled, every child still running is cancelled, and the parent waits until
   they are, so that no generation run (and none of its engines) outlives the run.
+
+The parent only watches: its children need nothing from it to make progress (they meet in the
+run directory), and nothing from the Prefect server but their own state reports, which Prefect's
+client retries. So a Prefect server that is away for a while (restarted, upgraded) must not end
+the run. Prefect's client already retries a request for about a minute (PREFECT_CLIENT_MAX_RETRIES
+with exponential backoff); a look at the children that still fails for lack of the API is
+logged and tried again at the next watch, for up to `API_OUTAGE_SECONDS` in a row. Only then, or
+on any other error, does the parent give up (and cancel its children, as on every failure).
+Without this, a look that failed because the server was away for longer than the client's
+retries raised out of the watch loop, and the parent cancelled a healthy training run and its
+generators and failed the run.
 """
 
 from __future__ import annotations
@@ -32,6 +43,7 @@ from prefect.states import Cancelling
 from prefect.variables import Variable
 
 from configs.schema import RunConfig
+from flows.ui import api_unavailable
 from infra.storage import open_run_store
 from tasks.autoscale import autoscale_target, generator_wait_fraction, trainer_idle_fraction
 from tasks.lag import request_retire, request_stop, withdraw_retire
@@ -44,6 +56,11 @@ DRAIN_SECONDS = 60.0
 CANCEL_WAIT_SECONDS = 60.0
 """How long the parent waits for the children it cancelled to be stopped (their worker stops
 the whole process group, engines included) before it reports them and ends anyway."""
+
+
+API_OUTAGE_SECONDS = 600.0
+"""How long the parent keeps watching through a Prefect API that does not answer (each look
+itself already retried for about a minute by Prefect's client) before it gives up on the run."""
 
 
 class ChildRunFailed(RuntimeError):
@@ -82,6 +99,8 @@ class Supervisor:
         """How many generation runs the parent is steering towards."""
         self.last_request: int | None = None
         self.changed_at = time.monotonic()
+        self.api_lost_at: float | None = None
+        """When the Prefect API stopped answering the watch loop; None while it answers."""
 
     def start(self, flow_name: str, **parameters) -> FlowRun:
         name = f"{flow_name}/{self.config.prefect.deployment}"
@@ -96,12 +115,11 @@ class Supervisor:
     def run(self) -> None:
         """Start the children and watch them until training is over; raise if it failed."""
         self.training = self.start("training")
+        self.training_state = self.training.state
         for i in range(self.target):
             self.start_generator(f"gen{i}")
         try:
-            while not (state := self.state_of(self.training.id)).is_final():
-                self.restart_failed_generators()
-                self.scale_to(self.wanted_generators())
+            while not (state := self.watch()).is_final():
                 time.sleep(self.config.prefect.watch_seconds)
             self.drain(DRAIN_SECONDS if state.is_completed() else 0.0)
         except BaseException:
@@ -110,8 +128,42 @@ class Supervisor:
         if not state.is_completed():
             raise ChildRunFailed(f"training run {self.training.name} ended {state.name}: {state.message or ''}".strip())
 
+    def watch(self):
+        """One look at the children: restart failed generators, follow the wanted count; returns
+        the training run's state. While the Prefect API is unavailable it returns the state last
+        seen (not final), so the loop looks again, until `API_OUTAGE_SECONDS` without an answer."""
+        try:
+            state = self.state_of(self.training.id)
+            if not state.is_final():
+                self.restart_failed_generators()
+                self.scale_to(self.wanted_generators())
+        except Exception as err:
+            if not api_unavailable(err):
+                raise
+            now = time.monotonic()
+            if self.api_lost_at is None:
+                self.api_lost_at = now
+                self.log.warning("the Prefect API is unavailable (%r); the children keep running, watching again", err)
+            elif now - self.api_lost_at > API_OUTAGE_SECONDS:
+                raise ChildRunFailed(f"the Prefect API has been unavailable for {now - self.api_lost_at:.0f} s: {err!r}") from err
+            return self.training_state
+        if self.api_lost_at is not None:
+            self.log.info("the Prefect API answers again after %.0f s", time.monotonic() - self.api_lost_at)
+            self.api_lost_at = None
+        self.training_state = state
+        return state
+
     def state_of(self, run_id: UUID):
         return self.client.read_flow_run(run_id).state
+
+    def is_final(self, run_id: UUID) -> bool:
+        """Whether run `run_id` is final; False while the API cannot say (drain looks again)."""
+        try:
+            return self.state_of(run_id).is_final()
+        except Exception as err:
+            if api_unavailable(err):
+                return False
+            raise
 
     def restart_failed_generators(self) -> None:
         for producer, run_id in list(self.generators.items()):
@@ -175,15 +227,20 @@ class Supervisor:
         if self.training is not None:
             runs.append(self.training.id)
         deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline and not all(self.state_of(r).is_final() for r in runs):
+        while time.monotonic() < deadline and not all(self.is_final(r) for r in runs):
             time.sleep(1.0)
-        cancelled = [run_id for run_id in runs if not self.state_of(run_id).is_final()]
+        cancelled = [run_id for run_id in runs if not self.is_final(run_id)]
         for run_id in cancelled:
             self.log.warning("cancelling child run %s", run_id)
-            self.client.set_flow_run_state(run_id, Cancelling(), force=True)
+            try:
+                self.client.set_flow_run_state(run_id, Cancelling(), force=True)
+            except Exception as err:
+                if not api_unavailable(err):
+                    raise
+                self.log.error("could not cancel child run %s: the Prefect API is unavailable (%r)", run_id, err)
         deadline = time.monotonic() + CANCEL_WAIT_SECONDS
         while cancelled and time.monotonic() < deadline:
-            cancelled = [run_id for run_id in cancelled if not self.state_of(run_id).is_final()]
+            cancelled = [run_id for run_id in cancelled if not self.is_final(run_id)]
             time.sleep(1.0)
         if cancelled:
             self.log.error("child runs still not cancelled after %.0f s: %s", CANCEL_WAIT_SECONDS, cancelled)

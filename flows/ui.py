@@ -10,22 +10,59 @@
   deployment trigger in prefect.yaml runs `evaluation` on the snapshots it marks for evaluation
   (every `prefect.evaluate_every`-th), so scoring runs beside training instead of pausing it.
 
+What the UI shows is best effort: an artifact that cannot be written because the Prefect API is
+unavailable (a server restart outlasting the client's own retries of about a minute) is logged
+and skipped, never raised, so that a training run does not fail over its progress bar. The next
+step's update writes the progress again. The event needs no such care: Prefect's events client
+queues it and sends it again once it reconnects.
+
 Artifact keys are derived from the run id, lowercased, with every character Prefect does not
 allow in a key (only lowercase letters, digits and dashes) turned into a dash.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import re
 
+import httpx
 from prefect.artifacts import create_markdown_artifact, create_progress_artifact, create_table_artifact, update_progress_artifact
 from prefect.events import emit_event
 
 from configs.schema import RunConfig
 
+log = logging.getLogger(__name__)
+
 RECENT_STEPS = 10
 """Rows of the metrics table artifact."""
 TABLE_COLUMNS = ("version", "reward_mean", "loss", "kl", "entropy", "grad_norm", "lag_max", "dropped_stale", "wait_seconds", "step_seconds")
+
+
+def api_unavailable(err: BaseException) -> bool:
+    """Whether `err` says the Prefect API could not be reached or could not serve, for now: a
+    transport error (refused, reset, timed out) or a 5xx / 408 / 429 answer. Other errors (a 404,
+    a validation error, a bug) are not waited out."""
+    if isinstance(err, httpx.TransportError):
+        return True
+    return isinstance(err, httpx.HTTPStatusError) and (err.response.status_code >= 500 or err.response.status_code in (408, 429))
+
+
+def best_effort(function):
+    """Run `function`; if the Prefect API is unavailable (after the client's retries), log a
+    warning and return None instead of raising."""
+
+    @functools.wraps(function)
+    def wrapper(*args, **kwargs):
+        try:
+            return function(*args, **kwargs)
+        except Exception as err:
+            if not api_unavailable(err):
+                raise
+            log.warning("%s skipped: the Prefect API is unavailable (%r)", function.__name__, err)
+        return None
+
+    return wrapper
 
 
 def artifact_key(run_id: str, kind: str) -> str:
@@ -38,18 +75,30 @@ class TrainingProgress:
 
     def __init__(self, config: RunConfig, version: int):
         self.config = config
-        self.artifact_id = create_progress_artifact(
-            progress=self._percent(version), key=artifact_key(config.run_id, "progress"),
-            description=f"run {config.run_id}: training steps done, in percent of {config.training.steps}",
-        )  # fmt: skip
+        self.artifact_id = self._create(version)
         self.recent: list[dict] = []
+
+    @best_effort
+    def _create(self, version: int):
+        return create_progress_artifact(
+            progress=self._percent(version), key=artifact_key(self.config.run_id, "progress"),
+            description=f"run {self.config.run_id}: training steps done, in percent of {self.config.training.steps}",
+        )  # fmt: skip
+
+    @best_effort
+    def _move(self, version: int) -> None:
+        if self.artifact_id is None:
+            self.artifact_id = self._create(version)
+        else:
+            update_progress_artifact(self.artifact_id, progress=self._percent(version))
 
     def step_done(self, record: dict) -> None:
         self.recent = [*self.recent, {k: record.get(k) for k in TABLE_COLUMNS}][-RECENT_STEPS:]
-        update_progress_artifact(self.artifact_id, progress=self._percent(record["version"]))
+        self._move(record["version"])
         if record["version"] % self.config.training.checkpoint_every == 0 or record["version"] >= self.config.training.steps:
             self.publish_table()
 
+    @best_effort
     def publish_table(self) -> None:
         if self.recent:
             create_table_artifact(self.recent, key=artifact_key(self.config.run_id, "metrics"),
@@ -59,6 +108,7 @@ class TrainingProgress:
         return min(100.0, 100.0 * version / self.config.training.steps)
 
 
+@best_effort
 def publish_summary(summary: dict, run_url: str, run_id: str) -> None:
     """The end-of-run markdown artifact: learning, accounting, and links to the plots."""
     counts = ("trained", "dropped_stale", "quarantined", "duplicate", "pending")
@@ -81,6 +131,7 @@ def publish_summary(summary: dict, run_url: str, run_id: str) -> None:
     create_markdown_artifact(markdown, key=artifact_key(run_id, "summary"), description=f"run {run_id}: summary")
 
 
+@best_effort
 def publish_evaluation(run_id: str, result: dict) -> None:
     """The held-out score of one snapshot, as a new version of the run's evaluation artifact."""
     row = {k: result.get(k) for k in ("version", "score", "solved", "prompts")}

@@ -13,22 +13,15 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
-import uuid
 from pathlib import Path
 
 import pytest
-from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import (
-    ArtifactFilter, ArtifactFilterKey, FlowRunFilter, FlowRunFilterParentFlowRunId, LogFilter, LogFilterFlowRunId, LogFilterLevel,
-)  # fmt: skip
-from prefect.settings import PREFECT_API_URL, temporary_settings
+from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
-from configs import TINY_CONFIG, load_config
 from flows.ui import artifact_key
-from infra.prefect_server import PrefectServer, start_worker, stop_process_group
-from infra.storage import open_run_store
+from benchmarks.prefect_restart import restart_mid_run
+from infra.deployed_harness import Deployment, bin_path, flow_run_id_from
 from tasks.metrics import read_metrics
 from tasks.shards import list_shards, parse_shard_key
 from tasks.snapshots import snapshot_versions
@@ -38,100 +31,14 @@ pytestmark = [pytest.mark.deployed, pytest.mark.s3, pytest.mark.slow, pytest.mar
 S3_KEY, S3_SECRET = "deployed-test-key", "deployed-test-secret"
 
 
-class Deployment:
-    """The servers and workers of this module, and helpers to drive runs through them."""
-
-    def __init__(self, server: PrefectServer, env: dict[str, str], bucket: str, logs: Path):
-        self.server, self.env, self.bucket, self.logs = server, env, bucket, logs
-
-    def cli(self, *args: str, timeout: float = 300) -> str:
-        done = subprocess.run(list(args), cwd=ROOT, env=os.environ | self.env, capture_output=True, text=True, timeout=timeout)
-        assert done.returncode == 0, f"{args} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
-        return done.stdout + done.stderr
-
-    def config(self, run_id: str, *overrides: str) -> dict:
-        base = [
-            f"run_id={run_id}", f"storage.root=s3://{self.bucket}/runs", "prefect.mode=deployed", "prefect.watch_seconds=1",
-            "training.steps=6", "training.warmup_steps=5", "training.prompts_per_step=4", "training.checkpoint_every=2",
-            "generation.prompts_per_chunk=2", "generation.samples_per_prompt=4", "env.eval_prompts=8",
-            "lag.max_lag=1", "dask.n_workers=1", "prefect.evaluate_every=3",
-        ]  # fmt: skip
-        return load_config(TINY_CONFIG, [*base, *overrides]).model_dump(mode="json")
-
-    def start_pipeline(self, config: dict) -> str:
-        """`prefect deployment run 'pipeline/tandem'`; returns the flow run id it printed."""
-        out = self.cli(_bin("prefect"), "deployment", "run", "pipeline/tandem", "--param", f"config={json.dumps(config)}")
-        return _flow_run_id(out)
-
-    def client(self):
-        return get_client(sync_client=True)
-
-    def wait_final(self, flow_run_id: str, timeout: float = 400):
-        deadline = time.monotonic() + timeout
-        with self.client() as client:
-            while time.monotonic() < deadline:
-                run = client.read_flow_run(uuid.UUID(flow_run_id))
-                if run.state.is_final():
-                    return run
-                time.sleep(1)
-        raise TimeoutError(f"flow run {flow_run_id} not final after {timeout} s; logs in {self.logs}")
-
-    def children(self, flow_run_id: str) -> list:
-        with self.client() as client:
-            flow_names = {f.id: f.name for f in client.read_flows()}
-            runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[uuid.UUID(flow_run_id)])))
-        return [(flow_names[r.flow_id], r) for r in runs]
-
-    def explain(self, flow_run_id: str) -> str:
-        """Each child's state and message, and the warnings and errors each one that did not
-        complete logged: what an assertion about the children prints when it fails."""
-        lines = []
-        with self.client() as client:
-            for name, run in self.children(flow_run_id):
-                lines.append(f"{name} {run.name}: {run.state.name} {run.state.message or ''}")
-                if not run.state.is_completed():
-                    logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id]), level=LogFilterLevel(ge_=30)))
-                    lines += [f"    {log.message[-2000:]}" for log in logs[-5:]]
-        return "\n".join(lines)
-
-    def store(self, run_id: str):
-        from configs.schema import StorageConfig
-
-        storage = StorageConfig(root=f"s3://{self.bucket}/runs", endpoint_url=self.env["AWS_ENDPOINT_URL"], key=S3_KEY, secret=S3_SECRET)
-        return open_run_store(storage, run_id)
-
-
-def _bin(name: str) -> str:
-    """A command installed beside this Python (prefect, tandem)."""
-    return str(Path(sys.executable).with_name(name))
-
-
-def _flow_run_id(cli_output: str) -> str:
-    for line in cli_output.splitlines():
-        if "UUID:" in line:
-            return line.split("UUID:")[1].strip()
-    raise AssertionError(f"no flow run UUID in:\n{cli_output}")
+_bin, _flow_run_id = bin_path, flow_run_id_from
 
 
 @pytest.fixture(scope="module")
 def deployment(seaweed, tmp_path_factory):
-    home = tmp_path_factory.mktemp("prefect-home")
-    server = PrefectServer(home).start()
-    env = server.env() | {
-        "AWS_ACCESS_KEY_ID": S3_KEY, "AWS_SECRET_ACCESS_KEY": S3_SECRET, "AWS_ENDPOINT_URL": seaweed.endpoint_url,
-        "HF_HUB_DISABLE_PROGRESS_BARS": "1",
-    }  # fmt: skip
-    workers = []
-    try:
-        with temporary_settings(updates={PREFECT_API_URL: server.api_url}):
-            driver = Deployment(server, env, f"deployed-{uuid.uuid4().hex[:8]}", home)
-            driver.cli(_bin("tandem"), "deploy")
-            workers = [start_worker(pool, env, home / f"worker-{pool}.log") for pool in ("training", "inference")]
-            yield driver
-    finally:
-        for worker in workers:
-            stop_process_group(worker)
-        server.stop()
+    """A Prefect server, `tandem deploy`, a worker per pool (infra/deployed_harness.py)."""
+    with Deployment.start(tmp_path_factory.mktemp("prefect-home"), seaweed.endpoint_url, S3_KEY, S3_SECRET) as driver, driver.settings():
+        yield driver
 
 
 @pytest.fixture(scope="module")
@@ -329,6 +236,20 @@ def test_generation_that_fails_for_good_fails_the_run_and_leaves_nothing_running
     assert engines
     for pid in engines:
         _wait(lambda: not Path(f"/proc/{pid}").exists(), 30, f"engine {pid} to exit")
+
+
+def test_pipeline_survives_a_prefect_server_restart_mid_run(deployment):
+    """The server stops and starts again on its database after v1 (benchmarks/prefect_restart.py):
+    the run completes, with exactly its one training run and its configured generation runs, all
+    Completed: nothing was restarted, nothing started twice."""
+    result = restart_mid_run(deployment, "restarted", seed=0, steps=6)
+    assert result["finished"], result["detail"]
+    generators = deployment.config("restarted")["prefect"]["generators"]
+    children = [(name, r) for name, r in deployment.children(result["flow_run_id"]) if name in ("training", "generation")]
+    assert sorted(name for name, _ in children) == ["generation"] * generators + ["training"], result["detail"]
+    assert all(r.state.is_completed() for _, r in children), result["detail"]
+    report = json.loads(result["store"].read_bytes("summary.json"))
+    assert report["identity_holds"] and report["steps"] == 6 and report["max_trained_lag"] <= result["max_lag"] == 1
 
 
 def _trainer_version(store) -> int:
