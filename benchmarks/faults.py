@@ -6,7 +6,9 @@ injected at a seeded random point after the first snapshot past v0 is published,
 finish (a killed trainer is resumed with the same command, as a user would), and then checks
 the run directory, not the processes' word for it:
 
-- finished: the pipeline exited 0 (deployed: its flow run Completed);
+- finished: the run did all its work, its summary (written after the last step and the final
+  evaluation) counts every step (deployed: the pipeline flow run Completed); the pipeline's
+  exit code is reported beside it;
 - identity: generated = trained + dropped_stale + quarantined + duplicate + pending
   (tasks/report.py `accounting`, which counts what generators recorded and what the ledger says);
 - trained twice: group ids that occur more than once in the ledger's trained groups;
@@ -55,7 +57,8 @@ from infra.seaweed import SeaweedServer, free_s3_port  # noqa: E402
 from infra.storage import RunStore, open_run_store  # noqa: E402
 from tasks.learner import LEDGER_KEY  # noqa: E402
 from tasks.metrics import read_metrics  # noqa: E402
-from tasks.report import accounting, train_steps  # noqa: E402
+from tasks.checkpoints import latest_checkpoint_step  # noqa: E402
+from tasks.report import SUMMARY_KEY, accounting, train_steps  # noqa: E402
 from tasks.shards import list_shards, parse_shard_key, shard_key  # noqa: E402
 from tasks.snapshots import latest_version, snapshot_prefix  # noqa: E402
 
@@ -75,6 +78,8 @@ class EmbeddedRun:
     work_dir: Path
     steps: int
     prefect_env: dict[str, str]
+    struck_at: float | None = None
+    """When a fault that waits for its moment struck (time.time()); None: when it was called."""
     process: subprocess.Popen | None = field(default=None, repr=False)
 
     @property
@@ -99,12 +104,20 @@ class EmbeddedRun:
             cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
 
-    def wait(self, timeout: float = RUN_TIMEOUT_S) -> bool:
-        """True if the run exited 0 within `timeout`; a run still going then is killed."""
+    def wait(self, timeout: float = RUN_TIMEOUT_S) -> int | None:
+        """The run's exit code, or None if it was still going after `timeout` (it is killed)."""
         try:
-            return self.process.wait(timeout) == 0
+            return self.process.wait(timeout)
         except subprocess.TimeoutExpired:
             self.kill()
+            return None
+
+    def finished(self) -> bool:
+        """Whether the run did all its work: its summary (written after the last step and the
+        final evaluation) counts every step."""
+        try:
+            return json.loads(self.store.read_bytes(SUMMARY_KEY))["steps"] == self.steps
+        except FileNotFoundError:
             return False
 
     def kill(self) -> None:
@@ -142,7 +155,13 @@ def kill_dask_worker(run: EmbeddedRun, rng: random.Random) -> str:
 
 def kill_trainer(run: EmbeddedRun, rng: random.Random) -> str:
     """The embedded trainer is the pipeline process: SIGKILL it (and everything it started, as
-    a preempted node would), then resume with the same command."""
+    a preempted node would), then resume with the same command. It strikes a seeded 0-3 s
+    after the first checkpoint, so that there is one to resume from."""
+    store, deadline = run.store, time.monotonic() + 120
+    while latest_checkpoint_step(store) is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(rng.uniform(0.0, 3.0))
+    run.struck_at = time.time()
     run.kill()
     run.start()
     return "pipeline process group SIGKILLed, resumed with the same command"
@@ -174,6 +193,7 @@ def corrupt_shard(run: EmbeddedRun, rng: random.Random) -> str:
     data = bytearray(store.read_bytes(key))
     middle = len(data) // 2
     data[middle : middle + 16] = bytes(b ^ 0xFF for b in data[middle : middle + 16])
+    run.struck_at = time.time()
     store.write_atomic(key, bytes(data))
     return f"16 bytes flipped in {key}"
 
@@ -190,6 +210,7 @@ def duplicate_shard(run: EmbeddedRun, rng: random.Random) -> str:
     older = [parse_shard_key(k).seq for k in list_shards(store, max_version=name.version - 1) if parse_shard_key(k).producer == name.producer]
     free = sorted(seq for seq in older if seq not in here and seq < name.seq)
     copy = shard_key(name.version, name.producer, free[-1] if free else 999_999)
+    run.struck_at = time.time()
     store.put_if_absent(copy, store.read_bytes(key))
     return f"{key} copied to {copy}"
 
@@ -204,6 +225,7 @@ def truncate_snapshot(run: EmbeddedRun, rng: random.Random) -> str:
         time.sleep(0.02)
     key = f"{snapshot_prefix(version)}/model.safetensors"
     data = store.read_bytes(key)
+    run.struck_at = time.time()
     store.write_atomic(key, data[: len(data) // 2])
     return f"{key} truncated from {len(data)} to {len(data) // 2} bytes"
 
@@ -235,11 +257,11 @@ def run_embedded_fault(name: str, seaweed: SeaweedServer, prefect: PrefectServer
             detail = EMBEDDED_FAULTS[name](run, rng)
         except Exception as err:  # the run goes on; the row says the fault never struck
             injected, detail = False, f"fault not injected: {type(err).__name__}: {err}"
-        finished = run.wait()
+        exit_code = run.wait()
     finally:
         run.kill()
-    return {"finished": finished, "injected": injected, "store": run.store, "fault_at": fault_at, "detail": detail,
-            "log": str(work_dir / f"{run.name}.log")}  # fmt: skip
+    return {"finished": run.finished(), "exit_code": exit_code, "injected": injected, "store": run.store,
+            "fault_at": run.struck_at or fault_at, "detail": detail, "log": str(work_dir / f"{run.name}.log")}  # fmt: skip
 
 
 def _wait_for_first_publish(store: RunStore, process: subprocess.Popen, timeout: float = 180.0) -> None:
@@ -332,7 +354,7 @@ def run_fault(name: str, seaweed: SeaweedServer, prefect: PrefectServer, work_di
     else:
         outcome = run_embedded_fault(name, seaweed, prefect, work_dir, rng, steps)
         max_lag = MAX_LAG
-    row = {"fault": name, "injected": outcome.get("injected", True), "finished": outcome["finished"],
+    row = {"fault": name, "injected": outcome.get("injected", True), "finished": outcome["finished"], "exit_code": outcome.get("exit_code"),
            "detail": outcome["detail"], "log": outcome.get("log")}  # fmt: skip
     try:
         row |= check_run(outcome["store"], max_lag, outcome["fault_at"])
@@ -345,13 +367,14 @@ def run_fault(name: str, seaweed: SeaweedServer, prefect: PrefectServer, work_di
 
 def markdown_table(rows: list[dict]) -> str:
     lines = [
-        "| fault | finished | identity | trained twice | lag violations | recovery s | survived |",
-        "|---|---|---|---|---|---|---|",
+        "| fault | finished | exit code | identity | trained twice | lag violations | recovery s | survived |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         recovery = "-" if r.get("recovery_seconds") is None else f"{r['recovery_seconds']:.1f}"
         lines.append(
-            f"| {r['fault']} | {_yes(r['finished'])} | {_yes(r.get('identity_holds'))} | {r.get('trained_twice', '-')} "
+            f"| {r['fault']} | {_yes(r['finished'])} | {'-' if r.get('exit_code') is None else r['exit_code']} "
+            f"| {_yes(r.get('identity_holds'))} | {r.get('trained_twice', '-')} "
             f"| {r.get('lag_violations', '-')} | {recovery} | {_yes(r['survived'])} |"
         )
     return "\n".join(lines)
