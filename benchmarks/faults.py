@@ -98,11 +98,11 @@ class EmbeddedRun:
             f"lag.max_lag={MAX_LAG}", "dask.n_workers=1",
         ]  # fmt: skip
         env = os.environ | self.prefect_env | {"AWS_ACCESS_KEY_ID": KEY, "AWS_SECRET_ACCESS_KEY": SECRET, "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
-        log = open(self.work_dir / f"{self.name}.log", "ab")
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "flows.pipeline", str(ROOT / "configs" / "tiny.yaml"), *overrides],
-            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-        )  # fmt: skip
+        with open(self.work_dir / f"{self.name}.log", "ab") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "flows.pipeline", str(ROOT / "configs" / "tiny.yaml"), *overrides],
+                cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            )  # fmt: skip
 
     def wait(self, timeout: float = RUN_TIMEOUT_S) -> int | None:
         """The run's exit code, or None if it was still going after `timeout` (it is killed)."""
@@ -168,10 +168,14 @@ def kill_trainer(run: EmbeddedRun, rng: random.Random) -> str:
 
 
 def stop_storage(run: EmbeddedRun, rng: random.Random) -> str:
-    run.seaweed.stop()
-    time.sleep(OUTAGE_SECONDS)
+    """Stop SeaweedFS (SIGKILL if it is not gone within 2 s: a graceful stop can take 30 s while
+    its volume server drains, longer than the outage itself) and start it again on the same
+    directory and ports `OUTAGE_SECONDS` after the fault struck."""
+    struck = time.monotonic()
+    run.seaweed.stop(timeout=2.0)
+    time.sleep(max(0.0, OUTAGE_SECONDS - (time.monotonic() - struck)))
     run.seaweed.start()
-    return f"SeaweedFS stopped for {OUTAGE_SECONDS:.0f} s, started again on the same directory"
+    return f"SeaweedFS stopped for {time.monotonic() - struck:.0f} s, started again on the same directory"
 
 
 def _next_new_shard(store: RunStore, timeout: float = 60.0) -> str:
