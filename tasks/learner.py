@@ -204,11 +204,14 @@ class Learner:
         ]
 
     def _drop_stale(self, keys: list[str]) -> None:
+        """Dispose of shards past the lag bound: as stale, or as a duplicate if their group was
+        trained from another copy (no replacement is owed for that one)."""
         valid = read_valid_shards(self.store, keys, current_version=self.version)
         for key in valid.quarantined:
             self._dispose(key, "quarantined", samples=1)
+        trained = set(self.ledger.trained_groups)
         for key, table in valid.tables.items():
-            self._dispose(key, "stale", samples=table.num_rows)
+            self._dispose(key, "duplicate" if table["group_id"][0].as_py() in trained else "stale", samples=table.num_rows)
 
     def _dispose(self, key: str, fate: str, samples: int) -> None:
         self.ledger.disposed[key] = fate

@@ -55,3 +55,24 @@ def test_a_copy_of_a_trained_group_is_never_trained_again(tmp_path: Path):
     assert sorted(batch) == fresh
     assert learner.ledger.disposed[copy] == "duplicate"
     assert learner.ledger.trained_groups == ["s00000000", "s00000001"]
+
+
+def write_fresh(learner: Learner, first_slot: int) -> None:
+    """Two groups on the trainer's current version: a full batch that needs nothing older."""
+    for slot in (first_slot, first_slot + 1):
+        rollouts = [dataclasses.replace(r, group_id=f"s{slot:08d}") for r in make_rollouts(n=4, version=learner.version)]
+        write_shard(learner.store, rollouts, "gen0", slot)
+
+
+def test_an_original_whose_copy_was_trained_leaves_the_window_as_a_duplicate_not_stale(tmp_path: Path):
+    learner = make_learner(tmp_path)  # max_lag 1: a version-0 shard is past the bound at version 2
+    copy = write_group(learner, "s00000005", seq=0)  # the copy arrived first and was trained
+    write_group(learner, "s00000001", seq=1)
+    learner.train_step(learner.admit_batch(poll_seconds=0.01))
+    write_fresh(learner, 10)
+    learner.train_step(learner.admit_batch(poll_seconds=0.01))
+    original = copy_shard(learner, copy, seq=5)  # the original commits late, already past the bound
+    write_fresh(learner, 20)
+    learner.admit_batch(poll_seconds=0.01)
+    assert learner.ledger.disposed[copy] == "trained" and learner.ledger.disposed[original] == "duplicate"
+    assert learner.ledger.counts["dropped_stale"] == 0 and learner.ledger.lost_groups == 0, "no replacement is owed"
