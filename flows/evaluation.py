@@ -8,8 +8,6 @@ metrics/evaluation.jsonl and to the run's evaluation artifact.
 from __future__ import annotations
 
 import asyncio
-import tempfile
-from pathlib import Path
 
 from prefect import flow
 
@@ -18,6 +16,7 @@ from flows.ui import publish_evaluation
 from infra.engines.client import EngineClient
 from infra.engines.fleet import EngineFleet
 from infra.modelfactory import load_tokenizer
+from infra.scratch import scratch_dir
 from infra.storage import open_run_store
 from tasks.evaluation import evaluate
 from tasks.metrics import MetricsLog
@@ -32,15 +31,15 @@ def evaluation(config: RunConfig, version: int | None = None) -> dict:
     consumer = f"eval-v{version}"
     pin_snapshot(store, consumer, version)
     try:
-        cache = Path(tempfile.mkdtemp(prefix="tandem-eval-"))
-        model_dir = load_snapshot(store, cache, version)
-        with EngineFleet(config.engine, 1, model_dir, version, cache / "logs") as fleet:
+        with scratch_dir("tandem-eval-") as cache:
+            model_dir = load_snapshot(store, cache, version)
+            with EngineFleet(config.engine, 1, model_dir, version, cache / "logs") as fleet:
 
-            async def score() -> dict:
-                async with EngineClient(fleet.urls, api_key=fleet.api_key) as client:
-                    return await evaluate(client, load_tokenizer(model_dir), config, version)
+                async def score() -> dict:
+                    async with EngineClient(fleet.urls, api_key=fleet.api_key) as client:
+                        return await evaluate(client, load_tokenizer(model_dir), config, version)
 
-            result = asyncio.run(score())
+                result = asyncio.run(score())
     finally:
         unpin_snapshot(store, consumer)
     metrics = MetricsLog(store, "evaluation", flush_seconds=0)

@@ -19,7 +19,6 @@ import json
 import logging
 import math
 import os
-import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -35,6 +34,7 @@ from prefect_dask import DaskTaskRunner
 
 from configs.schema import RunConfig
 from infra.engines.fleet import EngineFleet
+from infra.scratch import scratch_dir
 from infra.storage import open_run_store
 from tasks.generator import GroupResult, GroupSpec, Generator, SnapshotRejected, generate_group, snapshot_dir_for_engines
 from tasks.lag import IN_FLIGHT_TTL_SECONDS, publish_in_flight, read_trainer_state, retire_requested, withdraw_in_flight
@@ -116,8 +116,12 @@ def chunks_in_flight(config: RunConfig) -> int:
 @flow(name="generation", log_prints=True)
 def generation(config: RunConfig, producer: str = "gen0") -> dict:
     """Generate rollouts for `config`'s run until its trainer is done; returns counts."""
+    with scratch_dir(f"tandem-{producer}-") as cache:
+        return _generate(config, producer, cache)
+
+
+def _generate(config: RunConfig, producer: str, cache: Path) -> dict:
     store = open_run_store(config.storage, config.run_id)
-    cache = Path(tempfile.mkdtemp(prefix=f"tandem-{producer}-"))
     model_dir, version = snapshot_dir_for_engines(config, cache)
     metrics = MetricsLog(store, f"generator-{producer}")
     totals = {"groups": 0, "samples": 0, "engine_restarts": 0, "weight_updates": 0}

@@ -9,7 +9,6 @@ After each step the flow moves its progress artifact, and after each published s
 
 from __future__ import annotations
 
-import tempfile
 from pathlib import Path
 
 import pyarrow as pa
@@ -18,6 +17,7 @@ from prefect.cache_policies import NONE
 
 from configs.schema import RunConfig
 from infra.modelfactory import load_model, load_tokenizer
+from infra.scratch import scratch_dir
 from flows.ui import TrainingProgress, announce_snapshot, due_for_evaluation
 from infra.storage import RunStore, open_run_store
 from tasks.lag import TrainerState, publish_trainer_state, read_trainer_state, stop_reason
@@ -53,15 +53,15 @@ def training(config: RunConfig) -> dict:
     instead of waiting for a trainer that will not come back."""
     store = open_run_store(config.storage, config.run_id)
     try:
-        return _train(config, store)
+        with scratch_dir("tandem-trainer-") as cache:
+            return _train(config, store, cache)
     except BaseException:
         state = read_trainer_state(store)
         publish_trainer_state(store, TrainerState(state.version, state.lost_groups, done=True))
         raise
 
 
-def _train(config: RunConfig, store: RunStore) -> dict:
-    cache = Path(tempfile.mkdtemp(prefix="tandem-trainer-"))
+def _train(config: RunConfig, store: RunStore, cache: Path) -> dict:
     initial = load_snapshot(store, cache / "weights", version=0)
     learner = Learner(config, store, load_model(initial), load_tokenizer(initial), cache, MetricsLog(store, "trainer"))
     resumed = learner.resume()

@@ -19,10 +19,7 @@ regenerates the same prompt and the group id (the slot) is stable across retries
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
-import os
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -35,6 +32,7 @@ from infra.engines.api import SamplingParams
 from infra.engines.client import EngineClient
 from infra.engines.fleet import EngineFleet
 from infra.manifest import ManifestError
+from infra.scratch import scratch_dir
 from infra.modelfactory import load_tokenizer
 from infra.storage import RunStore, open_run_store
 from tasks.envs import Prompt, load_environment
@@ -160,13 +158,13 @@ _TOKENIZER_LOCK = threading.Lock()
 def _tokenizer(store: RunStore) -> PreTrainedTokenizerBase:
     """The run's tokenizer, fetched once per worker process from snapshot v0 (verified).
 
-    One fetch per process (the lock) into a directory of its own (the pid): a worker runs several
-    groups in threads, and several workers share the machine."""
+    One fetch per process (the lock) into a scratch directory of its own, removed once the
+    tokenizer is in memory: a worker runs several groups in threads, and several workers share
+    the machine."""
     with _TOKENIZER_LOCK:
         if store.url not in _TOKENIZERS:
-            digest = hashlib.sha256(store.url.encode()).hexdigest()[:16]
-            cache = Path(tempfile.gettempdir()) / "tandem-tokenizers" / f"{digest}-{os.getpid()}"
-            _TOKENIZERS[store.url] = load_tokenizer(load_snapshot(store, cache, version=0))
+            with scratch_dir("tandem-tokenizer-") as cache:
+                _TOKENIZERS[store.url] = load_tokenizer(load_snapshot(store, cache, version=0))
         return _TOKENIZERS[store.url]
 
 

@@ -54,7 +54,9 @@ class CopyEnv(Environment):
 
 
 def run_pipeline(root: Path, overrides: list[str]) -> None:
-    env = os.environ | {"PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    """The pipeline in a process of its own, with its temporary files under root/scratch."""
+    (root / "scratch").mkdir(exist_ok=True)
+    env = os.environ | {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "TMPDIR": str(root / "scratch")}
     done = subprocess.run(
         [sys.executable, "-m", "flows.pipeline", str(TINY_CONFIG), *overrides],
         cwd=ROOT, capture_output=True, text=True, timeout=600, env=env,
@@ -64,6 +66,12 @@ def run_pipeline(root: Path, overrides: list[str]) -> None:
 
 def records(run: Path, component: str) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics" / f"{component}.jsonl").read_text().splitlines()]
+
+
+def test_a_finished_run_leaves_no_scratch_directory_behind(finished_run: Path):
+    """The trainer, the generator and each evaluation copy the weights to a scratch directory
+    of their own; a run that succeeds removes them (infra/scratch.py)."""
+    assert not sorted(p.name for p in (finished_run.parent / "scratch").glob("tandem-*"))
 
 
 def test_run_trains_to_the_step_count_and_accounts_for_every_sample(finished_run: Path):

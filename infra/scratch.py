@@ -1,0 +1,32 @@
+"""Local scratch directories for a process's working copies: the snapshot its engines serve,
+their logs, checkpoint staging.
+
+`scratch_dir` removes the directory when the work inside succeeds and keeps it, saying where,
+when the work fails. Why not `tempfile.TemporaryDirectory`: a failed flow's scratch holds what
+explains the failure (its engines' logs). Why remove at all: every flow run made one and left
+it behind, a copy of the weights each (a real model's is gigabytes), and a long run with
+restarts or an evaluation every few versions filled the disk with them.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+@contextmanager
+def scratch_dir(prefix: str) -> Iterator[Path]:
+    """A new directory under the system's temporary directory, named `prefix` + random."""
+    path = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        yield path
+    except BaseException:
+        log.warning("kept %s: what failed may have left its logs there", path)
+        raise
+    shutil.rmtree(path, ignore_errors=True)
