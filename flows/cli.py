@@ -25,9 +25,6 @@ from rich.console import Console
 
 from configs import ConfigError, RunConfig, load_config
 
-# transformers draws a progress bar for every tiny save and load; tandem draws its own.
-os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-
 app = typer.Typer(
     help="tandem: agentic RL with inference and training scaled independently.",
     no_args_is_help=True,
