@@ -109,7 +109,8 @@ class Learner:
 
     def admit_batch(self, should_stop: Callable[[], bool] = lambda: False, poll_seconds: float = 0.2) -> dict[str, pa.Table] | None:
         """The next batch's shards (key -> table), waiting until enough are there; None if told to stop."""
-        groups = self.config.training.prompts_per_step
+        groups, max_lag = self.config.training.prompts_per_step, self.config.lag.max_lag
+        model = self.trainer.model.config
         chosen: dict[str, pa.Table] = {}
         seen_groups = set(self.ledger.trained_groups)
         started = time.monotonic()
@@ -117,7 +118,6 @@ class Learner:
         while len(chosen) < groups:
             if should_stop():
                 return None
-            max_lag = self.config.lag.max_lag
             batch, stale = select_batch(self._candidates(exclude=chosen), self.version, max_lag, groups - len(chosen))
             self._drop_stale([c.key for c in stale])
             if batch and waits_for_last_chance(batch, self.version, max_lag, lambda: groups_in_flight(self.store)):
@@ -126,7 +126,6 @@ class Learner:
                 time.sleep(poll_seconds)
                 self.poll_seconds += poll_seconds
                 continue
-            model = self.trainer.model.config
             valid = read_valid_shards(self.store, [c.key for c in batch], current_version=self.version,
                                       vocab_size=model.vocab_size, context_length=model.max_position_embeddings)  # fmt: skip
             for key, reason in valid.quarantined.items():
