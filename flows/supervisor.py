@@ -213,11 +213,11 @@ class Supervisor:
         while len(self.generators) < wanted and not self.gave_up:
             taken = self.generators.keys() | self.retiring.keys()
             producer = next(f"gen{i}" for i in range(len(taken) + 1) if f"gen{i}" not in taken)
-            self.log.info("scaling up to %d generation runs: starting %s", wanted, producer)
+            self.log.info("scaling up to %d generation run(s): starting %s", wanted, producer)
             self.start_generator(producer)
         while len(self.generators) > wanted:
             producer = max(self.generators, key=lambda p: int(p.removeprefix("gen")))
-            self.log.info("scaling down to %d generation runs: retiring %s", wanted, producer)
+            self.log.info("scaling down to %d generation run(s): retiring %s", wanted, producer)
             request_retire(self.store, producer)
             self.retiring[producer] = self.generators.pop(producer)
 
