@@ -167,7 +167,7 @@ def scale(
     if not RUN_ID_PATTERN.fullmatch(run_id):
         fail(f"{run_id!r} is not a run id (letters, digits, '.', '_', '-'; at most 64 characters)")
     Variable.set(scale_variable(run_id), generators, overwrite=True)
-    console.print(f"run {run_id}: asked for {generators} generation run{"s" if generators != 1 else ""} (variable {scale_variable(run_id)})")
+    console.print(f"run {run_id}: asked for {generators} generation run{'s' if generators != 1 else ''} (variable {scale_variable(run_id)})")
 
 
 @config_app.command("show")
