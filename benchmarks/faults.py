@@ -6,8 +6,8 @@ injected at a seeded random point after the first snapshot past v0 is published,
 finish (a killed trainer is resumed with the same command, as a user would), and then checks
 the run directory, not the processes' word for it:
 
-- finished: the run did all its work, its summary (written after the last step and the final
-  evaluation) counts every step (deployed: the pipeline flow run Completed); the pipeline's
+- finished: the run did all its work, its summary (written after the last step; the runs skip
+  the held-out evaluations, `env.eval_prompts: 0`, which no fault touches) counts every step (deployed: the pipeline flow run Completed); the pipeline's
   exit code is reported beside it;
 - identity: generated = trained + dropped_stale + quarantined + duplicate + pending
   (tasks/report.py `accounting`, which counts what generators recorded and what the ledger says);
@@ -18,7 +18,7 @@ the run directory, not the processes' word for it:
 - recovery: seconds from the fault to the next trained step (the trainer's step records).
 
 A row survived when it finished, the identity held, and nothing was trained twice or past
-max_lag. The embedded faults (the first seven) run `python -m flows.pipeline` against one Prefect
+max_lag. The embedded faults (the first seven) run `tandem run` (`python -m flows.cli run`) against one Prefect
 server that the matrix starts (rather than each run's ephemeral one, whose start-up times out
 on a loaded 2-core machine); the last one restarts the Prefect server under a deployed run
 (benchmarks/prefect_restart.py).
@@ -71,7 +71,7 @@ OUTAGE_SECONDS = 10.0
 
 @dataclass
 class EmbeddedRun:
-    """One `python -m flows.pipeline` run on the matrix's SeaweedFS, in a session of its own."""
+    """One `tandem run` on the matrix's SeaweedFS, in a session of its own."""
 
     name: str
     seaweed: SeaweedServer
@@ -94,13 +94,13 @@ class EmbeddedRun:
         overrides = [
             f"run_id={self.name}", f"storage.root={self.storage.root}", f"storage.endpoint_url={self.seaweed.endpoint_url}",
             f"training.steps={self.steps}", "training.warmup_steps=5", f"training.prompts_per_step={PROMPTS_PER_STEP}",
-            "training.checkpoint_every=2", "generation.prompts_per_chunk=2", "env.eval_prompts=4",
+            "training.checkpoint_every=2", "generation.prompts_per_chunk=2", "env.eval_prompts=0",
             f"lag.max_lag={MAX_LAG}", "dask.n_workers=1",
         ]  # fmt: skip
         env = os.environ | self.prefect_env | {"AWS_ACCESS_KEY_ID": KEY, "AWS_SECRET_ACCESS_KEY": SECRET, "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
         with open(self.work_dir / f"{self.name}.log", "ab") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "flows.pipeline", str(ROOT / "configs" / "tiny.yaml"), *overrides],
+                [sys.executable, "-m", "flows.cli", "run", str(ROOT / "configs" / "tiny.yaml"), *(arg for o in overrides for arg in ("--set", o))],
                 cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             )  # fmt: skip
 
@@ -113,8 +113,8 @@ class EmbeddedRun:
             return None
 
     def finished(self) -> bool:
-        """Whether the run did all its work: its summary (written after the last step and the
-        final evaluation) counts every step."""
+        """Whether the run did all its work: its summary (written after the last step) counts
+        every step."""
         try:
             return json.loads(self.store.read_bytes(SUMMARY_KEY))["steps"] == self.steps
         except FileNotFoundError:

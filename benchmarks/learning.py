@@ -118,7 +118,8 @@ def bare_loop(overrides: list[str]) -> dict:
 def pipeline_run(name: str, overrides: list[str], root: Path) -> dict:
     """One tiny pipeline in a fresh process; its numbers read back from summary.json and metrics."""
     run_id = name.replace(" ", "-").replace(",", "")
-    command = [sys.executable, "-m", "flows.pipeline", str(TINY_CONFIG), f"run_id={run_id}", f"storage.root=file://{root}", *overrides]
+    overrides = [f"run_id={run_id}", f"storage.root=file://{root}", *overrides]
+    command = [sys.executable, "-m", "flows.cli", "run", str(TINY_CONFIG), *(arg for o in overrides for arg in ("--set", o))]
     started = time.monotonic()
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
     wall = time.monotonic() - started

@@ -118,9 +118,9 @@ def run_once(profile: Profile, engines: int, max_lag: int, steps: int, warmup: i
         f"training.prompts_per_step={PROMPTS_PER_STEP}", f"training.steps={warmup + steps}", "training.warmup_steps=0",
         f"training.simulate_step_seconds={profile.t}", "training.checkpoint_every=1000", "training.publish_every=1",
         f"lag.max_lag={max_lag}", "env.entrypoint=tasks.envs.arithmetic:AdditionEnv", "env.kwargs={}", "env.max_turns=1",
-        "env.eval_prompts=2", "dask.n_workers=2", "dask.threads_per_worker=16",
+        "env.eval_prompts=0", "dask.n_workers=2", "dask.threads_per_worker=16",
     ]  # fmt: skip
-    command = [sys.executable, "-m", "flows.pipeline", str(ROOT / "configs" / "tiny.yaml"), *overrides]
+    command = [sys.executable, "-m", "flows.cli", "run", str(ROOT / "configs" / "tiny.yaml"), *(arg for o in overrides for arg in ("--set", o))]
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:
         raise RuntimeError(f"{run_id} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")

@@ -199,8 +199,9 @@ class EnvConfig(Section):
     """Most model turns in one episode."""
     train_prompts: int = Field(2000, ge=1, le=100_000_000)
     """Procedurally generated training prompts."""
-    eval_prompts: int = Field(200, ge=1, le=1_000_000)
-    """Held-out evaluation prompts, disjoint from the training prompts."""
+    eval_prompts: int = Field(200, ge=0, le=1_000_000)
+    """Held-out evaluation prompts, disjoint from the training prompts; 0: no evaluation at all
+    (a smoke or benchmark run saves the two engine boots it costs)."""
 
     @field_validator("entrypoint")
     @classmethod
@@ -296,6 +297,15 @@ class RunConfig(Section):
                 "storage.key and storage.secret must be null when prefect.mode is 'deployed': "
                 "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY on the workers, or name a Prefect "
                 "Secret block in storage.credentials_block"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _evaluations_have_prompts(self) -> RunConfig:
+        if self.prefect.evaluate_every and not self.env.eval_prompts:
+            raise ValueError(
+                f"prefect.evaluate_every ({self.prefect.evaluate_every}) needs held-out prompts: "
+                "env.eval_prompts must be at least 1, or set evaluate_every to 0"
             )
         return self
 

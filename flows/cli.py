@@ -120,6 +120,8 @@ def evaluate_run(
         resolved = load_run_config(run, overrides or ())
     except ConfigError as err:
         fail(str(err))
+    if not resolved.env.eval_prompts:
+        fail(f"run {resolved.run_id} has no held-out prompts (env.eval_prompts is 0): add --set env.eval_prompts=N")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     from flows.evaluation import evaluation
 

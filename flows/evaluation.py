@@ -26,6 +26,8 @@ from tasks.snapshots import latest_version, load_snapshot, pin_snapshot, unpin_s
 @flow(name="evaluation", log_prints=True)
 def evaluation(config: RunConfig, version: int | None = None) -> dict:
     """Greedy score of snapshot `version` (default: LATEST) on the held-out prompts."""
+    if not config.env.eval_prompts:
+        raise ValueError(f"run {config.run_id} has no held-out prompts (env.eval_prompts is 0): nothing to evaluate")
     store = open_run_store(config.storage, config.run_id)
     version = latest_version(store) if version is None else version
     consumer = f"eval-v{version}"

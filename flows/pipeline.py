@@ -80,7 +80,7 @@ def pipeline(config: RunConfig | None = None, run_id: RunId | None = None) -> di
     """Train a run end to end: init, eval, generate and train, eval, summary.
 
     The first evaluation scores the newest snapshot: v0 for a new run, where it stopped for a
-    restarted or continued one.
+    restarted or continued one. With `env.eval_prompts: 0` there is neither.
 
     `config` defaults to configs/deployed.yaml (what `prefect deployment run pipeline/tandem`
     runs); `run_id` overrides the config's, so that a user starts a fresh run with one --param.
@@ -92,7 +92,7 @@ def pipeline(config: RunConfig | None = None, run_id: RunId | None = None) -> di
     url = initialize(config)
     print(f"run directory: {url}")
     reopen_run(open_run_store(config.storage, config.run_id))
-    before = evaluation(config)
+    before = evaluation(config) if config.env.eval_prompts else None
     if config.prefect.mode == "deployed":
         Supervisor(config).run()
     else:
@@ -103,7 +103,7 @@ def pipeline(config: RunConfig | None = None, run_id: RunId | None = None) -> di
         trainer.result()
         for generator in generators:
             generator.result()
-    after = evaluation(config)
+    after = evaluation(config) if config.env.eval_prompts else None
     summary = write_summary(open_run_store(config.storage, config.run_id), before, after)
     publish_summary(summary, url, config.run_id)
     print_summary(summary, url)

@@ -18,6 +18,7 @@ from configs.schema import RunConfig
 from infra.storage import open_run_store
 from tasks.lag import read_trainer_state
 from tasks.metrics import read_metrics
+from tasks.report import summary_rows
 
 
 def watch_run(config: RunConfig, futures: list, poll_seconds: float = 1.0) -> None:
@@ -47,15 +48,7 @@ def _generator_files(store) -> list[str]:
 def print_summary(summary: dict, run_url: str) -> None:
     """The end-of-run summary as a table: learning, time, and the accounting identity."""
     table = Table(title=f"run summary ({run_url}/summary.json)", show_header=False)
-    table.add_row("held-out eval score", f"{summary['eval_before']:.3f} -> {summary['eval_after']:.3f}")
-    table.add_row("held-out solved", f"{summary['solved_before']:.1%} -> {summary['solved_after']:.1%}")
-    table.add_row("batch reward (first / last 10% of steps)", f"{summary['reward_start']:.3f} -> {summary['reward_end']:.3f}")
-    table.add_row("train steps", str(summary["steps"]))
-    table.add_row("trainer idle fraction", f"{summary['trainer_idle_fraction']:.2f}")
-    counts = ("trained", "dropped_stale", "quarantined", "duplicate", "pending")
-    identity = " + ".join(f"{summary[k]} {k}" for k in counts)
-    verdict = "holds" if summary["identity_holds"] else "[bold red]BROKEN[/]"
-    table.add_row("samples", f"{summary['generated']} generated = {identity}: {verdict}")
-    table.add_row("max trained lag", str(summary["max_trained_lag"]))
+    for label, text in summary_rows(summary):
+        table.add_row(label, text, style="bold red" if text.endswith("BROKEN") else None)
     table.add_row("plots", f"{run_url}/plots/reward.png, {run_url}/plots/timeline.png")
     Console(stderr=True).print(table)

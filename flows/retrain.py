@@ -41,6 +41,9 @@ def retrain(
     """Retrain `run_id` (under `storage_root`, default: configs/deployed.yaml's) for `steps` steps."""
     root = storage_root or load_config(DEPLOYED_CONFIG).storage.root
     source = load_run_config(f"{root.rstrip('/')}/{run_id}")
+    if not source.env.eval_prompts:
+        raise ValueError(f"run {run_id} has env.eval_prompts 0: retraining promotes by the held-out score, "
+                         "so the run needs held-out prompts")  # fmt: skip
     source_store = open_run_store(source.storage, source.run_id)
     if new_run_id is None:
         config = _continued(source, source_store, steps)

@@ -31,6 +31,7 @@ from prefect.artifacts import create_markdown_artifact, create_progress_artifact
 from prefect.events import emit_event
 
 from configs.schema import RunConfig
+from tasks.report import summary_rows
 
 log = logging.getLogger(__name__)
 
@@ -111,18 +112,10 @@ class TrainingProgress:
 @best_effort
 def publish_summary(summary: dict, run_url: str, run_id: str) -> None:
     """The end-of-run markdown artifact: learning, accounting, and links to the plots."""
-    counts = ("trained", "dropped_stale", "quarantined", "duplicate", "pending")
-    identity = " + ".join(f"{summary[k]} {k}" for k in counts)
     markdown = "\n".join([
         f"# tandem run `{run_id}`", "",
         "| | |", "|---|---|",
-        f"| held-out eval score | {summary['eval_before']:.3f} -> {summary['eval_after']:.3f} |",
-        f"| held-out solved | {summary['solved_before']:.1%} -> {summary['solved_after']:.1%} |",
-        f"| batch reward (first / last 10% of steps) | {summary['reward_start']:.3f} -> {summary['reward_end']:.3f} |",
-        f"| train steps | {summary['steps']} |",
-        f"| trainer idle fraction | {summary['trainer_idle_fraction']:.2f} |",
-        f"| samples | {summary['generated']} generated = {identity} ({'holds' if summary['identity_holds'] else 'BROKEN'}) |",
-        f"| max trained lag | {summary['max_trained_lag']} |", "",
+        *(f"| {label} | {text} |" for label, text in summary_rows(summary)), "",
         f"Run directory: `{run_url}`", "",
         f"- reward curve: `{run_url}/plots/reward.png`",
         f"- generator and trainer timeline: `{run_url}/plots/timeline.png`",

@@ -14,6 +14,11 @@ no downloaded weights.
   From then on the tiny model is just a model path: `load_model` / `load_tokenizer` go through
   `AutoModelForCausalLM` / `AutoTokenizer.from_pretrained`, the same code a real model takes (one
   exception, see `load_tokenizer`), and SGLang loads the directory as it is.
+
+torch and transformers' model classes are imported inside the functions that build or load a
+model. The rollout side (the generation flow and every Dask worker) needs only the tokenizer,
+and importing torch with transformers' models costs each of those processes about 3 s of CPU at
+start-up: on a 2-core machine, seconds before a run's first episode.
 """
 
 from __future__ import annotations
@@ -21,23 +26,16 @@ from __future__ import annotations
 import json
 import string
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
 from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
-from transformers import (
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    GenerationConfig,
-    LlamaConfig,
-    LlamaForCausalLM,
-    PreTrainedModel,
-    PreTrainedTokenizerBase,
-    PreTrainedTokenizerFast,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-)
+from transformers import GenerationConfig, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from configs.schema import ModelConfig
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel
 
 PAD, BOS, EOS, UNK, EOT = "<pad>", "<bos>", "<eos>", "<unk>", "<eot>"
 SPECIAL_TOKENS = [PAD, BOS, EOS, UNK, EOT]
@@ -52,12 +50,7 @@ TASK_VOCABULARY = (
 )
 """Every token of the tiny tokenizer; a token's id is its index here."""
 
-_ARCHITECTURES = {
-    "llama": (LlamaConfig, LlamaForCausalLM),
-    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-}
 _GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
@@ -75,7 +68,10 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
 
 def build_model(cfg: ModelConfig, vocab_size: int, seed: int) -> PreTrainedModel:
     """A random-init causal LM shaped by `cfg`; the same seed gives the same weights."""
-    config_class, model_class = _ARCHITECTURES[cfg.architecture]
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    config_class, model_class = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[cfg.architecture]
     config = config_class(
         vocab_size=vocab_size,
         hidden_size=cfg.hidden_size,
@@ -99,7 +95,7 @@ def build_model(cfg: ModelConfig, vocab_size: int, seed: int) -> PreTrainedModel
         eos_token_id=[config.eos_token_id, TASK_VOCABULARY.index(EOT)],
         pad_token_id=config.pad_token_id,
     )
-    return model.to(_DTYPES[cfg.dtype])
+    return model.to(getattr(torch, cfg.dtype))
 
 
 def save_tiny_model(cfg: ModelConfig, out_dir: Path, seed: int) -> Path:
@@ -128,6 +124,8 @@ def load_model(path: Path | str, dtype: torch.dtype | str | None = None) -> PreT
     """Load an HF causal LM directory (tiny or real); dtype None keeps the one in config.json.
     Weights load from safetensors only: a directory with only pytorch_model.bin (a pickle) is
     refused with an OSError rather than unpickled."""
+    from transformers import AutoModelForCausalLM
+
     return AutoModelForCausalLM.from_pretrained(
         str(path), dtype="auto" if dtype is None else dtype, attn_implementation="sdpa", use_safetensors=True
     )
@@ -147,4 +145,6 @@ def load_tokenizer(path: Path | str) -> PreTrainedTokenizerBase:
         declared = json.loads(config_file.read_text()).get("tokenizer_class")
     if declared in _GENERIC_TOKENIZER_CLASSES:
         return PreTrainedTokenizerFast.from_pretrained(str(path))
+    from transformers import AutoTokenizer  # imports torch: only for a real model's own tokenizer class
+
     return AutoTokenizer.from_pretrained(str(path))

@@ -90,8 +90,9 @@ def train_steps(store: RunStore) -> list[dict]:
     return [by_version[v] for v in sorted(by_version)]
 
 
-def write_summary(store: RunStore, eval_before: dict, eval_after: dict) -> dict:
-    """summary.json and the plots; returns the summary."""
+def write_summary(store: RunStore, eval_before: dict | None, eval_after: dict | None) -> dict:
+    """summary.json and the plots; returns the summary. The held-out figures are None for a run
+    without evaluation (`env.eval_prompts: 0`)."""
     steps = train_steps(store)
     head, tail = steps[: max(1, len(steps) // 10)], steps[-max(1, len(steps) // 10):]
     last = steps[-1] if steps else {}
@@ -100,10 +101,10 @@ def write_summary(store: RunStore, eval_before: dict, eval_after: dict) -> dict:
         "steps": len(steps),
         "reward_start": _mean(r["reward_mean"] for r in head),
         "reward_end": _mean(r["reward_mean"] for r in tail),
-        "eval_before": eval_before["score"],
-        "eval_after": eval_after["score"],
-        "solved_before": eval_before["solved"],
-        "solved_after": eval_after["solved"],
+        "eval_before": None if eval_before is None else eval_before["score"],
+        "eval_after": None if eval_after is None else eval_after["score"],
+        "solved_before": None if eval_before is None else eval_before["solved"],
+        "solved_after": None if eval_after is None else eval_after["solved"],
         "trainer_idle_fraction": idle / (busy + idle) if busy + idle else 0.0,
         **accounting(store),
     }
@@ -111,6 +112,26 @@ def write_summary(store: RunStore, eval_before: dict, eval_after: dict) -> dict:
     plot_reward(store, steps)
     plot_timeline(store, steps, list(generator_records(store).values()))
     return summary
+
+
+def summary_rows(summary: dict) -> list[tuple[str, str]]:
+    """The summary as (label, text) rows: what the console table and the UI artifact show."""
+    counts = ("trained", "dropped_stale", "quarantined", "duplicate", "pending")
+    identity = " + ".join(f"{summary[k]} {k}" for k in counts)
+    if summary["eval_before"] is None:
+        score = solved = "not evaluated (env.eval_prompts is 0)"
+    else:
+        score = f"{summary['eval_before']:.3f} -> {summary['eval_after']:.3f}"
+        solved = f"{summary['solved_before']:.1%} -> {summary['solved_after']:.1%}"
+    return [
+        ("held-out eval score", score),
+        ("held-out solved", solved),
+        ("batch reward (first / last 10% of steps)", f"{summary['reward_start']:.3f} -> {summary['reward_end']:.3f}"),
+        ("train steps", str(summary["steps"])),
+        ("trainer idle fraction", f"{summary['trainer_idle_fraction']:.2f}"),
+        ("samples", f"{summary['generated']} generated = {identity}: {'holds' if summary['identity_holds'] else 'BROKEN'}"),
+        ("max trained lag", str(summary["max_trained_lag"])),
+    ]
 
 
 def plot_reward(store: RunStore, steps: list[dict]) -> None:

@@ -28,11 +28,13 @@ import re
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
-
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from typing import TYPE_CHECKING
 
 from infra.manifest import MANIFEST_NAME, commit_directory, fetch_directory
 from infra.storage import RunStore
+
+if TYPE_CHECKING:  # transformers' model classes import torch, which the rollout side never needs
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 WEIGHTS = "weights"
 LATEST_KEY = f"{WEIGHTS}/LATEST"

@@ -79,6 +79,7 @@ BAD_CONFIGS = [
     ("prefect:\n  mode: cloud\n", [], "prefect.mode: Input should be 'local' or 'deployed'"),
     ("prefect:\n  deployment: a/b\n", [], "prefect.deployment"),
     ("storage:\n  credentials_block: My Block\n", [], "storage.credentials_block"),
+    ("env:\n  eval_prompts: 0\nprefect:\n  evaluate_every: 5\n", [], "env.eval_prompts must be at least 1"),
 ]
 
 
@@ -155,6 +156,16 @@ def test_init_writes_config_and_snapshot_once_and_refuses_a_changed_config(tmp_p
         again = runner.invoke(app, [*args, "--set", operational])
         assert again.exit_code == 0, f"{operational} changes how the run is run, not what it trains: {again.output}"
     assert json.loads((run_dir / "config.json").read_text()) == recorded, "config.json keeps the first start's values"
+
+
+def test_eval_of_a_run_without_held_out_prompts_exits_2_saying_how_to_give_it_some(tmp_path: Path):
+    root = f"file://{tmp_path}/runs"
+    init = runner.invoke(app, ["init", str(CONFIG_DIR / "tiny.yaml"), "--set", f"storage.root={root}", "--run-id", "quiet",
+                               "--set", "env.eval_prompts=0", "--set", "training.warmup_steps=0"])  # fmt: skip
+    assert init.exit_code == 0, init.output
+    result = runner.invoke(app, ["eval", f"{root}/quiet"])
+    assert result.exit_code == 2
+    assert "env.eval_prompts is 0" in result.output and "--set env.eval_prompts=N" in result.output
 
 
 def test_init_with_a_bad_config_writes_nothing(tmp_path: Path):

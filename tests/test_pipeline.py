@@ -54,11 +54,11 @@ class CopyEnv(Environment):
 
 
 def run_pipeline(root: Path, overrides: list[str]) -> None:
-    """The pipeline in a process of its own, with its temporary files under root/scratch."""
+    """`tandem run` in a process of its own, with its temporary files under root/scratch."""
     (root / "scratch").mkdir(exist_ok=True)
     env = os.environ | {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "TMPDIR": str(root / "scratch")}
     done = subprocess.run(
-        [sys.executable, "-m", "flows.pipeline", str(TINY_CONFIG), *overrides],
+        [sys.executable, "-m", "flows.cli", "run", str(TINY_CONFIG), *(arg for o in overrides for arg in ("--set", o))],
         cwd=ROOT, capture_output=True, text=True, timeout=600, env=env,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
@@ -110,11 +110,12 @@ def test_a_custom_environment_runs_through_the_pipeline_by_import_path(tmp_path:
     run_pipeline(tmp_path, [
         "run_id=custom", f"storage.root=file://{tmp_path}", "env.entrypoint=tests.test_pipeline:CopyEnv", "env.kwargs={}",
         "env.kwargs.length=4", "env.max_turns=1", "training.steps=2", "training.warmup_steps=3",
-        "training.prompts_per_step=2", "generation.prompts_per_chunk=2", "env.eval_prompts=4", "dask.n_workers=1",
+        "training.prompts_per_step=2", "generation.prompts_per_chunk=2", "env.eval_prompts=0", "dask.n_workers=1",
     ])  # fmt: skip
     run = tmp_path / "custom"
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == 2 and summary["identity_holds"]
+    assert summary["eval_before"] is None and not (run / "metrics" / "evaluation.jsonl").exists(), "eval_prompts 0: no evaluation"
     shards = list((run / "rollouts").glob("v*/*.parquet"))
     assert shards and {pq.read_table(s, columns=["env"])["env"][0].as_py() for s in shards} == {"CopyEnv"}
     prompt = pq.read_table(shards[0], columns=["prompt_ids"])["prompt_ids"][0].as_py()

@@ -9,7 +9,7 @@ from configs.schema import StorageConfig
 from infra.storage import open_run_store
 from tasks.learner import LEDGER_KEY, Ledger
 from tasks.metrics import MetricsLog
-from tasks.report import _union, accounting, train_steps, write_summary
+from tasks.report import _union, accounting, summary_rows, train_steps, write_summary
 from tasks.shards import write_shard
 from tests.test_shards import make_rollouts
 
@@ -71,6 +71,18 @@ def test_the_summary_writes_both_plots(tmp_path):
     assert summary["steps"] == 3 and summary["eval_after"] == 0.3
     for plot in ("plots/reward.png", "plots/timeline.png"):
         assert store.read_bytes(plot)[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_run_without_evaluation_says_so_in_its_summary(tmp_path):
+    store = open_run_store(StorageConfig(root=f"file://{tmp_path}"), "run")
+    MetricsLog(store, "trainer", flush_seconds=0).log("train_step", **{k: v for k, v in step_record(1, 0.5, 0).items() if k != "time"})
+    evaluated = dict(summary_rows(write_summary(store, {"score": 0.1, "solved": 0.0}, {"score": 0.3, "solved": 0.25})))
+    assert evaluated["held-out eval score"] == "0.100 -> 0.300" and evaluated["held-out solved"] == "0.0% -> 25.0%"
+    summary = write_summary(store, None, None)
+    assert summary["eval_before"] is summary["eval_after"] is summary["solved_after"] is None
+    rows = dict(summary_rows(summary))
+    assert rows["held-out eval score"] == "not evaluated (env.eval_prompts is 0)"
+    assert rows["samples"].endswith(": holds") and rows["train steps"] == "1"
 
 
 def test_busy_intervals_are_merged_where_they_overlap():
