@@ -97,7 +97,7 @@ class EmbeddedRun:
             "training.checkpoint_every=2", "generation.prompts_per_chunk=2", "env.eval_prompts=0",
             f"lag.max_lag={MAX_LAG}", "dask.n_workers=1",
         ]  # fmt: skip
-        env = os.environ | self.prefect_env | {"AWS_ACCESS_KEY_ID": KEY, "AWS_SECRET_ACCESS_KEY": SECRET, "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+        env = os.environ | self.prefect_env | {"AWS_ACCESS_KEY_ID": KEY, "AWS_SECRET_ACCESS_KEY": SECRET}
         with open(self.work_dir / f"{self.name}.log", "ab") as log:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "flows.cli", "run", str(ROOT / "configs" / "tiny.yaml"), *(arg for o in overrides for arg in ("--set", o))],

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -31,7 +30,6 @@ from rich.progress import Progress
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # the bare loop's saves and loads; ours is drawn below
 
 from configs import TINY_CONFIG, load_config  # noqa: E402
 from infra.engines.cpu import CpuEngine  # noqa: E402

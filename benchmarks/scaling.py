@@ -260,7 +260,7 @@ def main() -> None:
     snapshot_bytes = tiny_snapshot_bytes()
     root = Path(tempfile.mkdtemp(prefix="tandem-scaling-"))
     server = PrefectServer(root / "prefect").start()
-    env = os.environ | server.env() | {"HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+    env = os.environ | server.env()
     results = []
     started = time.monotonic()
     try:

@@ -57,7 +57,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable as a pl
 import pyarrow.parquet as pq  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.progress import Progress  # noqa: E402
-from transformers.utils import logging as hf_logging  # noqa: E402
 
 from configs.schema import ModelConfig, StorageConfig  # noqa: E402
 from infra.modelfactory import TASK_VOCABULARY, build_model, build_tokenizer  # noqa: E402
@@ -277,7 +276,6 @@ def main() -> None:
     # Interrupted or terminated, unwind through `finally` so the SeaweedFS server is stopped.
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    hf_logging.disable_progress_bar()  # save_pretrained's own bars would break ours
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="tandem-bench-") as temp:
         with Progress(console=Console(stderr=True), transient=True) as progress:

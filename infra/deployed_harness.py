@@ -94,7 +94,6 @@ class Deployment:
         server = PrefectServer(Path(home)).start()
         env = server.env() | {
             "AWS_ACCESS_KEY_ID": s3_key, "AWS_SECRET_ACCESS_KEY": s3_secret, "AWS_ENDPOINT_URL": s3_endpoint,
-            "HF_HUB_DISABLE_PROGRESS_BARS": "1",
         }  # fmt: skip
         deployment = cls(server, env, bucket or f"deployed-{uuid.uuid4().hex[:8]}", server.home, s3_key, s3_secret)
         try:

@@ -19,6 +19,9 @@ torch and transformers' model classes are imported inside the functions that bui
 model. The rollout side (the generation flow and every Dask worker) needs only the tokenizer,
 and importing torch with transformers' models costs each of those processes about 3 s of CPU at
 start-up: on a 2-core machine, seconds before a run's first episode.
+
+Importing the module turns transformers' progress bars off for the process: a bar for every
+save and load of a tiny model would bury tandem's own progress and the workers' logs.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from typing import TYPE_CHECKING
 
 from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 from transformers import GenerationConfig, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+from transformers.utils import logging as hf_logging
 
 from configs.schema import ModelConfig
 
@@ -51,6 +55,7 @@ TASK_VOCABULARY = (
 """Every token of the tiny tokenizer; a token's id is its index here."""
 
 _GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+hf_logging.disable_progress_bar()
 
 
 def build_tokenizer() -> PreTrainedTokenizerFast:

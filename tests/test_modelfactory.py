@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +22,7 @@ from infra.modelfactory import (
     save_tiny_model,
 )
 
+ROOT = Path(__file__).resolve().parents[1]
 TINY = {"hidden_size": 32, "num_layers": 2, "num_heads": 4, "intermediate_size": 64}
 
 
@@ -98,3 +102,12 @@ def test_prepare_initial_model_prefers_a_given_path(tmp_path) -> None:
     assert not (tmp_path / "unused").exists()
     with pytest.raises(FileNotFoundError, match="config.json"):
         prepare_initial_model(ModelConfig(path=str(tmp_path / "nothing")), tmp_path / "x", 0)
+
+
+def test_the_rollout_side_imports_no_torch_and_shows_no_transformers_bars() -> None:
+    """A Dask worker imports the generation flow; torch would cost it seconds of start-up."""
+    probe = ("import sys, transformers.utils.logging as hf; import flows.generation, infra.modelfactory; "
+             "print('torch' in sys.modules, hf.is_progress_bar_enabled())")  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False", "False"]
