@@ -48,6 +48,10 @@ def test_evaluation_trigger_fills_the_flow_parameters_from_the_event():
     assert set(trigger["parameters"]) == set(parameter_schema(flow.fn).properties)
 
 
+def test_evaluations_run_one_at_a_time_and_none_is_dropped():
+    assert DEPLOYMENTS["evaluation"]["concurrency_limit"] == {"limit": 1, "collision_strategy": "ENQUEUE"}
+
+
 def test_names_derived_from_run_ids_are_what_prefect_allows():
     assert artifact_key("My_Run.v2", "progress") == "tandem-my-run-v2-progress"
     assert scale_variable("My_Run.v2") == "tandem-generators-my_run-v2"

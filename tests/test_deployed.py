@@ -45,7 +45,7 @@ def deployment(seaweed, tmp_path_factory):
 def finished(deployment):
     """One whole deployed run: started from the CLI, finished, with its flow run id."""
     run_id = "e2e"
-    flow_run_id = deployment.start_pipeline(deployment.config(run_id))
+    flow_run_id = deployment.start_pipeline(deployment.config(run_id, "prefect.evaluate_every=3"))
     parent = deployment.wait_final(flow_run_id)
     return run_id, parent
 
@@ -172,7 +172,7 @@ def assert_promoted_only_on_improvement(source, candidate, before: int, after: i
 
 def test_scale_up_and_down_mid_run(deployment):
     run_id = "scaled"
-    flow_run_id = deployment.start_pipeline(deployment.config(run_id, "training.steps=24"))
+    flow_run_id = deployment.start_pipeline(deployment.config(run_id, "training.steps=32"))  # room for gen1 to join: see autoscale
     store = deployment.store(run_id)
     _wait(lambda: _trainer_version(store) >= 2, 300, "training to reach v2")
     deployment.cli(_bin("tandem"), "scale", run_id, "--generators", "2")
@@ -184,7 +184,7 @@ def test_scale_up_and_down_mid_run(deployment):
     assert len(generations) == 2 and all(r.state.is_completed() for r in generations), deployment.explain(flow_run_id)
     assert {parse_shard_key(k).producer for k in list_shards(store)} == {"gen0", "gen1"}
     report = json.loads(store.read_bytes("summary.json"))
-    assert report["identity_holds"] and report["max_trained_lag"] <= 1 and report["steps"] == 24
+    assert report["identity_holds"] and report["max_trained_lag"] <= 1 and report["steps"] == 32
 
 
 def test_killed_generation_run_is_restarted(deployment):
