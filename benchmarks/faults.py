@@ -52,6 +52,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from configs.schema import StorageConfig  # noqa: E402
+from flows.cli import run_command  # noqa: E402
 from infra.prefect_server import PrefectServer, descendants  # noqa: E402
 from infra.seaweed import SeaweedServer, free_s3_port  # noqa: E402
 from infra.storage import RunStore, open_run_store  # noqa: E402
@@ -100,7 +101,7 @@ class EmbeddedRun:
         env = os.environ | self.prefect_env | {"AWS_ACCESS_KEY_ID": KEY, "AWS_SECRET_ACCESS_KEY": SECRET}
         with open(self.work_dir / f"{self.name}.log", "ab") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "flows.cli", "run", str(ROOT / "configs" / "tiny.yaml"), *(arg for o in overrides for arg in ("--set", o))],
+                run_command(ROOT / "configs" / "tiny.yaml", overrides),
                 cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             )  # fmt: skip
 

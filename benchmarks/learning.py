@@ -32,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from configs import TINY_CONFIG, load_config  # noqa: E402
+from flows.cli import run_command  # noqa: E402
 from infra.engines.cpu import CpuEngine  # noqa: E402
 from infra.engines.scheduler import GenerationJob  # noqa: E402
 from infra.modelfactory import load_model, load_tokenizer, prepare_initial_model  # noqa: E402
@@ -116,8 +117,7 @@ def bare_loop(overrides: list[str]) -> dict:
 def pipeline_run(name: str, overrides: list[str], root: Path) -> dict:
     """One tiny pipeline in a fresh process; its numbers read back from summary.json and metrics."""
     run_id = name.replace(" ", "-").replace(",", "")
-    overrides = [f"run_id={run_id}", f"storage.root=file://{root}", *overrides]
-    command = [sys.executable, "-m", "flows.cli", "run", str(TINY_CONFIG), *(arg for o in overrides for arg in ("--set", o))]
+    command = run_command(TINY_CONFIG, [f"run_id={run_id}", f"storage.root=file://{root}", *overrides])
     started = time.monotonic()
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
     wall = time.monotonic() - started

@@ -48,6 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from configs.schema import SimLatencyConfig  # noqa: E402
+from flows.cli import run_command  # noqa: E402
 from infra.prefect_server import PrefectServer  # noqa: E402
 
 console = Console(stderr=True)
@@ -120,7 +121,7 @@ def run_once(profile: Profile, engines: int, max_lag: int, steps: int, warmup: i
         f"lag.max_lag={max_lag}", "env.entrypoint=tasks.envs.arithmetic:AdditionEnv", "env.kwargs={}", "env.max_turns=1",
         "env.eval_prompts=0", "dask.n_workers=2", "dask.threads_per_worker=16",
     ]  # fmt: skip
-    command = [sys.executable, "-m", "flows.cli", "run", str(ROOT / "configs" / "tiny.yaml"), *(arg for o in overrides for arg in ("--set", o))]
+    command = run_command(ROOT / "configs" / "tiny.yaml", overrides)
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:
         raise RuntimeError(f"{run_id} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")

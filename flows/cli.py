@@ -105,6 +105,14 @@ def run(
         fail(str(err))
 
 
+def run_command(config: Path, overrides: list[str]) -> list[str]:
+    """`tandem run CONFIG --set ...` as a subprocess command line (tests and benchmarks).
+
+    Through the CLI module rather than `python -m flows.pipeline`: LocalCluster spawns its Dask
+    workers, and each re-imports the parent's main module, which for the CLI is light."""
+    return [sys.executable, "-m", "flows.cli", "run", str(config), *(arg for o in overrides for arg in ("--set", o))]
+
+
 @app.command("eval")
 def evaluate_run(
     run: Annotated[str, typer.Argument(help="Run directory URL, e.g. file://./runs/tiny or s3://bucket/runs/tiny.")],

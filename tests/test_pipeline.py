@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
 
 from configs import TINY_CONFIG
+from flows.cli import run_command
 from tasks.envs import Environment, Prompt, Segment, StepResult
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,7 +58,7 @@ def run_pipeline(root: Path, overrides: list[str]) -> None:
     (root / "scratch").mkdir(exist_ok=True)
     env = os.environ | {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "TMPDIR": str(root / "scratch")}
     done = subprocess.run(
-        [sys.executable, "-m", "flows.cli", "run", str(TINY_CONFIG), *(arg for o in overrides for arg in ("--set", o))],
+        run_command(TINY_CONFIG, overrides),
         cwd=ROOT, capture_output=True, text=True, timeout=600, env=env,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
