@@ -47,7 +47,7 @@ from rich.console import Console
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from configs.schema import SimLatencyConfig  # noqa: E402
+from configs.schema import EngineConfig, SimLatencyConfig  # noqa: E402
 from flows.cli import run_command  # noqa: E402
 from infra.prefect_server import PrefectServer  # noqa: E402
 
@@ -57,6 +57,10 @@ PROMPTS_PER_STEP, SAMPLES = 16, 8
 BATCH = PROMPTS_PER_STEP * SAMPLES
 MAX_NEW_TOKENS, LENGTH_MEDIAN, LENGTH_SIGMA = 40, 12.0, 0.8
 DECODE_BASE_S, PREFILL_S_PER_TOKEN, PROMPT_TOKENS = 0.001, 1e-5, 8
+RUNNING_CAP = EngineConfig().max_batch_size
+"""Sequences an engine decodes at once: tandem's default (32), about what one H100 holds in KV
+cache for a 14B model at agentic context lengths (160 KB a token, ~50 GB free: ~20 sequences of
+16k tokens). Not a whole batch: a GPU queues the rest, and serves them first come, first served."""
 SEED_POINTS = {1: {"async": 12.00, "sync": 16.97}, 3: {"async": 6.61, "sync": 10.32}}
 """slime's measured step times, in seconds / 100 (the profiles' units)."""
 
@@ -84,19 +88,30 @@ PROFILES = {"seed": Profile("seed", 10.0, 6.5, 0.3), "agentic": Profile("agentic
 def latency_for(profile: Profile, snapshot_bytes: int) -> SimLatencyConfig:
     """The sim engine's latency model that makes one engine generate one batch in G1 seconds.
 
-    A batch of B sequences costs base * (longest length) + per_seq * (total tokens) + prefill, so
-    per_seq follows from the expected lengths, computed by sampling the same capped lognormal
-    the engine draws from."""
+    The engine runs at most RUNNING_CAP sequences and admits the rest first come, first served
+    as slots free, so a batch of B sequences costs base * (decode steps) + per_seq * (total
+    tokens) + prefill; per_seq follows from the expected steps and tokens, computed by replaying
+    that admission over lengths drawn from the same capped lognormal the engine draws from."""
     rng = random.Random(0)
-    totals, longest = [], []
+    totals, steps = [], []
     for _ in range(200):
         lengths = [min(MAX_NEW_TOKENS, max(1, round(rng.lognormvariate(math.log(LENGTH_MEDIAN), LENGTH_SIGMA)))) for _ in range(BATCH)]
         totals.append(sum(lengths))
-        longest.append(max(lengths))
-    fixed = DECODE_BASE_S * statistics.mean(longest) + PREFILL_S_PER_TOKEN * PROMPT_TOKENS * BATCH
+        steps.append(_decode_steps(lengths, RUNNING_CAP))
+    fixed = DECODE_BASE_S * statistics.mean(steps) + PREFILL_S_PER_TOKEN * PROMPT_TOKENS * BATCH
     per_seq = (profile.g1 - fixed) / statistics.mean(totals)
     return SimLatencyConfig(prefill_s_per_token=PREFILL_S_PER_TOKEN, decode_base_s=DECODE_BASE_S, decode_s_per_seq=per_seq,
                             length_median=LENGTH_MEDIAN, length_sigma=LENGTH_SIGMA, load_s_per_gb=profile.s / (snapshot_bytes / 1e9))  # fmt: skip
+
+
+def _decode_steps(lengths: list[int], cap: int) -> int:
+    """Decode steps an engine running at most `cap` sequences takes for `lengths`, admitted in order."""
+    queue, running, steps = list(lengths), [], 0
+    while queue or running:
+        running += [queue.pop(0) for _ in range(min(len(queue), cap - len(running)))]
+        running = [left - 1 for left in running if left > 1]
+        steps += 1
+    return steps
 
 
 def tiny_snapshot_bytes() -> int:
@@ -114,7 +129,7 @@ def run_once(profile: Profile, engines: int, max_lag: int, steps: int, warmup: i
     run_id = f"{profile.name}-n{engines}-lag{max_lag}"
     overrides = [
         f"run_id={run_id}", f"storage.root=file://{root}", "engine.backend=sim", f"engine.sim={latency.model_dump_json()}",
-        f"engine.max_batch_size={BATCH}", f"generation.engines={engines}", f"generation.samples_per_prompt={SAMPLES}",
+        f"engine.max_batch_size={RUNNING_CAP}", f"generation.engines={engines}", f"generation.samples_per_prompt={SAMPLES}",
         f"generation.max_new_tokens={MAX_NEW_TOKENS}", f"generation.prompts_per_chunk={PROMPTS_PER_STEP}",
         f"training.prompts_per_step={PROMPTS_PER_STEP}", f"training.steps={warmup + steps}", "training.warmup_steps=0",
         f"training.simulate_step_seconds={profile.t}", "training.checkpoint_every=1000", "training.publish_every=1",

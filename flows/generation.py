@@ -2,22 +2,22 @@
 
 Prefect sees coarse units: one `generate_chunk` task run per `generation.prompts_per_chunk`
 groups, with retries. Inside it the groups fan out as plain Dask work on the flow's own cluster
-(`worker_client`), because a Prefect task run costs about 100 times a Dask task. As many
-chunks stay in flight as fill the engines' batches (`chunks_in_flight`).
+(`worker_client`), because a Prefect task run costs about 100 times a Dask task. Every slot
+admission allows goes to the engines at once, and their first-come-first-served queues serve
+the oldest batch first: the lag bound is what limits the work in flight.
 
 Between chunks the flow restarts dead engines on the current snapshot, loads newer snapshots
 (pause -> load -> continue) and publishes how many groups it has in flight on each policy
 version, which the trainer reads so that it trains the oldest of them before they go stale.
-It stops when the trainer's published state says done, or when it is asked to retire (a
-scale-down): then it claims nothing more and finishes the chunks it has in flight, so that
-every slot it claimed is committed.
+It stops when the trainer's published state says done, and then aborts the engines' requests:
+the groups in flight would never be trained. Asked to retire (a scale-down), it claims nothing
+more and finishes the chunks it has in flight, so that every slot it claimed is committed.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import time
 from collections import Counter
@@ -63,7 +63,7 @@ def generate_chunk(specs: list[GroupSpec]) -> list[GroupResult]:
     prefect_dask's `get_dask_client` is not used here: it opens a temporary Client per call,
     which becomes the process's default, and a chunk that starts while another closes its
     client is handed the closed one (PrefectHQ/prefect#17334), failing the chunk."""
-    return fan_out(generate_group, specs)
+    return [result for result in fan_out(generate_group, specs) if result is not None]
 
 
 def fan_out(function: Callable, items: list) -> list:
@@ -98,19 +98,6 @@ def dask_task_runner(config: RunConfig) -> DaskTaskRunner:
         cluster_kwargs={"n_workers": config.dask.n_workers, "threads_per_worker": config.dask.threads_per_worker,
                         "processes": True, "dashboard_address": None, "silence_logs": logging.WARNING},
     )  # fmt: skip
-
-
-def chunks_in_flight(config: RunConfig) -> int:
-    """Enough chunks in flight to fill every engine's batch once, and at least one.
-
-    Not more: an engine's decode step slows with every sequence it runs, so a younger chunk
-    admitted while an older one finishes stretches the older one's tail, and the trainer needs
-    the older one first. With two chunks in flight on one engine at max_lag 1, both batches
-    finished together and the engine then sat idle for a training step (async at 1.33x its
-    ideal in benchmarks/scaling.py; one chunk: 1.14x)."""
-    sequences = config.generation.engines * config.engine.max_batch_size
-    per_chunk = config.generation.samples_per_prompt * config.generation.prompts_per_chunk
-    return max(1, math.ceil(sequences / per_chunk))
 
 
 @flow(name="generation", log_prints=True)
@@ -149,8 +136,7 @@ def _generate(config: RunConfig, producer: str, cache: Path) -> dict:
             for chunk in [c for c in in_flight if c.future.wrapped_future.done()]:
                 in_flight.remove(chunk)
                 _record(metrics, totals, chunk.future.result(), fleet.version)
-            more = len(in_flight) < chunks_in_flight(config)
-            specs = generator.claim_specs(config.generation.prompts_per_chunk, new_claims=not retiring.due()) if more else []
+            specs = generator.claim_specs(config.generation.prompts_per_chunk, new_claims=not retiring.due())
             if specs:
                 in_flight.append(_Chunk(dask.submit(generate_chunk, {"specs": specs}), specs[0].loaded_version, len(specs)))
             reported.maybe_publish(in_flight)
@@ -161,6 +147,8 @@ def _generate(config: RunConfig, producer: str, cache: Path) -> dict:
             elif not specs:
                 _wait_for_first([c.future for c in in_flight], POLL_SECONDS)
             load.maybe_log(idle_seconds, len(in_flight))
+        if in_flight and read_trainer_state(store).done:
+            fleet.abort_all()
         for chunk in in_flight:
             _record(metrics, totals, chunk.future.result(), fleet.version)
         withdraw_in_flight(store, producer)

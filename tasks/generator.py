@@ -82,13 +82,20 @@ class GroupResult:
     """Tokens the model generated in the group (its loss-mask tokens)."""
 
 
-def generate_group(spec: GroupSpec) -> GroupResult:
-    """Play one group and commit its shard (runs on a Dask worker)."""
+def generate_group(spec: GroupSpec) -> GroupResult | None:
+    """Play one group and commit its shard (runs on a Dask worker).
+
+    None: the run's training finished before the group started, or while it played (the
+    generation flow then aborts the engines' requests, so that a finished run does not wait for
+    up to max_lag + 1 batches nobody will train). Its slot stays claimed and uncommitted, which
+    is what a continued run regenerates first; a half-played group is never committed."""
     started = time.time()
     store = open_run_store(spec.storage, spec.run_id)
     existing = _committed_shard(store, spec)
     if existing is not None:
         return GroupResult(spec.slot, existing, False, spec.samples, 0.0, -1, started, time.time())
+    if read_trainer_state(store).done:
+        return None
     tokenizer = _tokenizer(store)
     env_cls = load_environment(spec.env_entrypoint)
 
@@ -102,6 +109,8 @@ def generate_group(spec: GroupSpec) -> GroupResult:
         )  # fmt: skip
 
     rollouts = asyncio.run_coroutine_threadsafe(play(), _worker_loop()).result()
+    if any(r.finish_reason == "abort" for r in rollouts):
+        return None
     written = write_shard(store, rollouts, spec.producer, spec.slot, context_length=spec.context_length)
     rewards = [r.reward for r in rollouts]
     return GroupResult(

@@ -86,6 +86,16 @@ class EngineFleet:
         self.model_dir, self.version = model_dir, version
         return results
 
+    def abort_all(self) -> None:
+        """Abort every request the engines are running or queueing (they answer it with
+        finish_reason abort); engines that do not answer are skipped."""
+
+        async def abort() -> None:
+            async with EngineClient(self.urls, api_key=self.api_key) as client:
+                await client.abort_all()
+
+        asyncio.run(abort())
+
     def _process(self, port: int) -> EngineProcess:
         log_path = self.log_dir / f"engine-{port}.log"
         if self.engine.backend == "sglang":

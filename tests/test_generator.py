@@ -1,0 +1,68 @@
+"""A group's fate when training ends under it: generate_group against a real (simulated) engine.
+
+A finished run aborts its engines' requests instead of waiting for groups nobody will train;
+those groups must not be committed half-played, and a group that starts after the end must not
+start at all. A group left alone commits, so that the other two tests can fail.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from configs import TINY_CONFIG, load_config
+from infra.engines.fleet import EngineFleet
+from infra.storage import open_run_store
+from tasks.generator import Generator, generate_group, snapshot_dir_for_engines
+from tasks.lag import TrainerState, publish_trainer_state
+from tasks.rundir import initialize_run
+from tasks.shards import list_shards
+
+SLOW_SIM = '{"decode_base_s": 0.05, "decode_s_per_seq": 0.0, "length_median": 30, "length_sigma": 0.1, "load_s_per_gb": 0}'
+"""About 30 decode steps of 50 ms: a group plays for ~1.5 s, long enough to abort it mid-way."""
+
+
+@pytest.fixture
+def generator(tmp_path: Path):
+    config = load_config(TINY_CONFIG, [
+        f"storage.root=file://{tmp_path / 'runs'}", "run_id=fate", "engine.backend=sim", f"engine.sim={SLOW_SIM}",
+        "generation.max_new_tokens=40", "generation.samples_per_prompt=2", "env.max_turns=1",
+        "env.entrypoint=tasks.envs.arithmetic:AdditionEnv", "env.kwargs={}", "model.max_position_embeddings=128",
+    ])  # fmt: skip
+    initialize_run(config)
+    model_dir, version = snapshot_dir_for_engines(config, tmp_path / "cache")
+    with EngineFleet(config.engine, 1, model_dir, version, tmp_path / "logs") as fleet:
+        yield Generator(config, "gen0", fleet, tmp_path / "cache"), open_run_store(config.storage, config.run_id)
+
+
+def test_a_group_left_alone_commits_its_shard(generator):
+    gen, store = generator
+    result = generate_group(gen.spec(0))
+    assert result is not None and result.samples == 2
+    assert list_shards(store) == [result.key]
+
+
+def test_a_group_that_starts_after_training_finished_does_not_play(generator):
+    gen, store = generator
+    publish_trainer_state(store, TrainerState(version=1, done=True))
+    started = time.monotonic()
+    assert generate_group(gen.spec(0)) is None
+    assert time.monotonic() - started < 1.0
+    assert list_shards(store) == []
+
+
+def test_a_group_whose_requests_are_aborted_is_not_committed(generator):
+    gen, store = generator
+    results = []
+    playing = threading.Thread(target=lambda: results.append(generate_group(gen.spec(0))))
+    started = time.monotonic()
+    playing.start()
+    time.sleep(0.5)
+    gen.fleet.abort_all()
+    playing.join(timeout=30)
+    assert results == [None]
+    assert time.monotonic() - started < 1.2, "the abort should end the group well before its ~1.5 s of decoding"
+    assert list_shards(store) == []
