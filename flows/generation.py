@@ -4,7 +4,9 @@ Prefect sees coarse units: one `generate_chunk` task run per `generation.prompts
 groups, with retries. Inside it the groups fan out as plain Dask work on the flow's own cluster
 (`worker_client`), because a Prefect task run costs about 100 times a Dask task. Every slot
 admission allows goes to the engines at once, and their first-come-first-served queues serve
-the oldest batch first: the lag bound is what limits the work in flight.
+the oldest batch first: the lag bound is what limits the work in flight. With several
+generators, each holds at most an equal share of that bound in flight, so that one added to a
+running run finds slots to claim.
 
 Between chunks the flow restarts dead engines on the current snapshot, loads newer snapshots
 (pause -> load -> continue) and publishes how many groups it has in flight on each policy
@@ -37,7 +39,7 @@ from infra.engines.fleet import EngineFleet
 from infra.scratch import scratch_dir
 from infra.storage import open_run_store
 from tasks.generator import GroupResult, GroupSpec, Generator, SnapshotRejected, generate_group, snapshot_dir_for_engines
-from tasks.lag import IN_FLIGHT_TTL_SECONDS, publish_in_flight, read_trainer_state, retire_requested, withdraw_in_flight
+from tasks.lag import IN_FLIGHT_TTL_SECONDS, live_producers, publish_in_flight, read_trainer_state, retire_requested, withdraw_in_flight
 from tasks.metrics import MetricsLog
 
 
@@ -120,6 +122,7 @@ def _generate(config: RunConfig, producer: str, cache: Path) -> dict:
         in_flight = []
         busy_since, idle_seconds = time.monotonic(), 0.0
         retiring = _RetireCheck(store, producer)
+        producers = _ProducerCount(store, producer)
         load = _LoadReport(metrics)
         reported = _InFlightReport(store, producer)
         while not read_trainer_state(store).done and not (retiring.due() and not generator.orphans):
@@ -136,7 +139,8 @@ def _generate(config: RunConfig, producer: str, cache: Path) -> dict:
             for chunk in [c for c in in_flight if c.future.wrapped_future.done()]:
                 in_flight.remove(chunk)
                 _record(metrics, totals, chunk.future.result(), fleet.version)
-            specs = generator.claim_specs(config.generation.prompts_per_chunk, new_claims=not retiring.due())
+            held = sum(chunk.groups for chunk in in_flight)
+            specs = generator.claim_specs(config.generation.prompts_per_chunk, held, producers.count(), new_claims=not retiring.due())
             if specs:
                 in_flight.append(_Chunk(dask.submit(generate_chunk, {"specs": specs}), specs[0].loaded_version, len(specs)))
             reported.maybe_publish(in_flight)
@@ -213,6 +217,21 @@ class _RetireCheck:
             self.checked_at = time.monotonic()
             self.requested = retire_requested(self.store, self.producer)
         return self.requested
+
+
+class _ProducerCount:
+    """How many generators the run has now (tasks/lag.py `live_producers`, this one included),
+    which sets this one's share of the admission window; looked up at most once a second: a
+    listing and a read per generator, and generators join and leave on a scale of seconds."""
+
+    def __init__(self, store, producer: str):
+        self.store, self.producer, self.checked_at, self.producers = store, producer, float("-inf"), 1
+
+    def count(self) -> int:
+        if time.monotonic() - self.checked_at >= 1.0:
+            self.checked_at = time.monotonic()
+            self.producers = len(live_producers(self.store) | {self.producer})
+        return self.producers
 
 
 def _wait_for_first(futures: list, timeout: float) -> None:

@@ -36,7 +36,7 @@ from infra.scratch import scratch_dir
 from infra.modelfactory import load_tokenizer
 from infra.storage import RunStore, open_run_store
 from tasks.envs import Prompt, load_environment
-from tasks.lag import SlotClaims, admission_capacity, read_trainer_state, required_version
+from tasks.lag import SlotClaims, admission_capacity, claim_share, read_trainer_state, required_version
 from tasks.rollout import run_group
 from tasks.shards import MAX_SEQ, committed_slots, parse_shard_key, shard_key, write_shard
 from tasks.snapshots import latest_version, load_snapshot, pin_snapshot, snapshot_prefix, snapshot_versions
@@ -228,15 +228,18 @@ class Generator:
             log.warning("engines failed to load v%d: %s", newest, [(r.url, r.message) for r in failed])
         return True
 
-    def claim_specs(self, most: int, new_claims: bool = True) -> list[GroupSpec]:
+    def claim_specs(self, most: int, held: int = 0, producers: int = 1, new_claims: bool = True) -> list[GroupSpec]:
         """Up to `most` slots to generate: this producer's orphans first, then (unless
         `new_claims` is False: the producer is retiring) new claims that admission allows on
-        the loaded weights (maybe none)."""
+        the loaded weights (maybe none). With `held` groups already in flight, it takes no more
+        than its share of the admission window among `producers` live generators
+        (tasks/lag.py `claim_share`)."""
         state = read_trainer_state(self.store)
         if state.done:
             return []
         lag, per_step = self.config.lag.max_lag, self.config.training.prompts_per_step
         capacity = admission_capacity(state.version, lag, per_step, state.lost_groups)
+        most = min(most, claim_share(lag, per_step, producers) - held)
         specs = [self.spec(self.orphans.pop(0)) for _ in range(min(most, len(self.orphans)))]
         while new_claims and len(specs) < most and required_version(self.claims.next_slot, lag, per_step) <= self.loaded_version:
             slot = self.claims.claim(capacity)

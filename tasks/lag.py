@@ -118,15 +118,38 @@ def withdraw_in_flight(store: RunStore, producer: str) -> None:
 def groups_in_flight(store: RunStore) -> dict[int, int]:
     """Policy version -> groups the run's live generators are generating on it."""
     totals: dict[int, int] = {}
+    for record in _live_in_flight_records(store).values():
+        for version, count in record["groups"].items():
+            totals[int(version)] = totals.get(int(version), 0) + count
+    return totals
+
+
+def live_producers(store: RunStore) -> set[str]:
+    """The generators taking part in the run now: those whose in-flight record is fresh."""
+    return set(_live_in_flight_records(store))
+
+
+def _live_in_flight_records(store: RunStore) -> dict[str, dict]:
+    records = {}
     for key in store.list(IN_FLIGHT_PREFIX):
         try:
             record = json.loads(store.read_bytes(key))
         except FileNotFoundError:  # withdrawn between the listing and the read
             continue
         if time.time() - record["at"] <= IN_FLIGHT_TTL_SECONDS:
-            for version, count in record["groups"].items():
-                totals[int(version)] = totals.get(int(version), 0) + count
-    return totals
+            records[key.rsplit("/", 1)[-1].removesuffix(".json")] = record
+    return records
+
+
+def claim_share(max_lag: int, groups_per_step: int, producers: int) -> int:
+    """Most groups one of `producers` live generators may hold claimed and not yet committed.
+
+    An equal share of the admission window, rounded up. Without it the first generator claimed
+    every slot the window admits the moment it opened, and one added to a running run (a
+    scale-up) only got slots when it won a race for them, which it could lose for a whole run.
+    A share bounds what is in flight, not what is done: a faster generator commits its share
+    sooner and claims again sooner. One generator's share is the whole window."""
+    return -(-admission_capacity(0, max_lag, groups_per_step) // max(producers, 1))
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""A group's fate when training ends under it: generate_group against a real (simulated) engine.
+"""A group's fate when training ends under it: generate_group against a real (simulated) engine;
+and how two generators share the slots the lag bound admits.
 
 A finished run aborts its engines' requests instead of waiting for groups nobody will train;
 those groups must not be committed half-played, and a group that starts after the end must not
@@ -17,7 +18,7 @@ from configs import TINY_CONFIG, load_config
 from infra.engines.fleet import EngineFleet
 from infra.storage import open_run_store
 from tasks.generator import Generator, generate_group, snapshot_dir_for_engines
-from tasks.lag import TrainerState, publish_trainer_state
+from tasks.lag import TrainerState, admission_capacity, publish_trainer_state
 from tasks.rundir import initialize_run
 from tasks.shards import list_shards
 
@@ -66,3 +67,14 @@ def test_a_group_whose_requests_are_aborted_is_not_committed(generator):
     assert results == [None]
     assert time.monotonic() - started < 1.2, "the abort should end the group well before its ~1.5 s of decoding"
     assert list_shards(store) == []
+
+
+def test_a_generator_takes_its_share_of_the_window_and_leaves_the_rest_to_the_others(generator):
+    gen0, _ = generator
+    gen1 = Generator(gen0.config, "gen1", gen0.fleet, gen0.cache_dir)
+    window = admission_capacity(0, gen0.config.lag.max_lag, gen0.config.training.prompts_per_step)
+    first = gen0.claim_specs(most=window, producers=2)
+    assert len(first) == window // 2 and not gen0.claim_specs(most=window, held=len(first), producers=2)
+    second = gen1.claim_specs(most=window, producers=2)
+    assert {s.slot for s in first} | {s.slot for s in second} == set(range(window))
+    assert gen0.claim_specs(most=window, held=0, producers=2) == [], "the window is full"

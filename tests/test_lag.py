@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 from configs.schema import StorageConfig
 from infra.storage import open_run_store
 from tasks.lag import (
-    Candidate, SlotClaims, admission_capacity, groups_in_flight, lag_of, publish_in_flight, required_version, select_batch,
-    IN_FLIGHT_TTL_SECONDS, waits_for_last_chance, withdraw_in_flight,
+    Candidate, SlotClaims, admission_capacity, claim_share, groups_in_flight, lag_of, live_producers, publish_in_flight,
+    required_version, select_batch, IN_FLIGHT_TTL_SECONDS, waits_for_last_chance, withdraw_in_flight,
 )  # fmt: skip
 from tasks.shards import committed_slots, quarantine_shard, shard_key, write_shard
 from tests.test_shards import make_rollouts
@@ -122,6 +122,25 @@ def test_in_flight_records_add_up_over_live_generators_and_ignore_dead_ones(file
     later = time.time() + IN_FLIGHT_TTL_SECONDS + 1
     monkeypatch.setattr(time, "time", lambda: later)
     assert groups_in_flight(file_store) == {}, "a record older than its lifetime is a dead generator's"
+
+
+def test_live_producers_are_the_generators_with_a_fresh_in_flight_record(file_store, monkeypatch):
+    publish_in_flight(file_store, "gen0", {3: 2})
+    publish_in_flight(file_store, "gen1", {})
+    assert live_producers(file_store) == {"gen0", "gen1"}, "a generator with nothing in flight yet is still live"
+    withdraw_in_flight(file_store, "gen0")
+    assert live_producers(file_store) == {"gen1"}
+    later = time.time() + IN_FLIGHT_TTL_SECONDS + 1
+    monkeypatch.setattr(time, "time", lambda: later)
+    assert live_producers(file_store) == set()
+
+
+def test_claim_shares_cover_the_admission_window():
+    for max_lag, per_step, producers in [(0, 4, 1), (1, 4, 2), (2, 4, 3), (1, 3, 4), (0, 1, 5)]:
+        window = admission_capacity(0, max_lag, per_step)
+        share = claim_share(max_lag, per_step, producers)
+        assert share >= 1 and share * producers >= window > (share - 1) * producers
+    assert claim_share(1, 4, 1) == 8, "a lone generator may fill the whole window"
 
 
 def test_capacity_and_required_version_are_inverse():
