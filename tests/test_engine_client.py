@@ -234,8 +234,9 @@ def test_a_4xx_is_raised_at_once_and_the_engine_stays_in_rotation(engines):
     assert after["meta_info"]["completion_tokens"] == 4
 
 
-def test_engine_stops_when_the_process_that_started_it_is_killed(tmp_path):
-    """A SIGKILLed generator must not leave its engines serving (they run in their own session)."""
+def _engine_of_a_doomed_parent(tmp_path: Path) -> tuple[subprocess.Popen, int, int]:
+    """A CPU engine started (with --exit-with-parent, as EngineFleet starts them) by a process
+    the caller will kill: (that process, the engine's pid, its port)."""
     model = save_tiny_model(ModelConfig(), tmp_path / "model", seed=0)
     port = free_port_block(count=1)
     starter = (
@@ -244,15 +245,40 @@ def test_engine_stops_when_the_process_that_started_it_is_killed(tmp_path):
         "print(json.dumps(p.pid), flush=True); time.sleep(600)"
     )
     parent = subprocess.Popen([sys.executable, "-c", starter], stdout=subprocess.PIPE, text=True)
-    engine_pid = json.loads(parent.stdout.readline())
-    parent.kill()
-    parent.wait()
-    deadline = time.monotonic() + 30
+    return parent, json.loads(parent.stdout.readline()), port
+
+
+def _assert_exits(pid: int, within: float) -> None:
+    deadline = time.monotonic() + within
     while time.monotonic() < deadline:
         try:
-            os.kill(engine_pid, 0)
+            os.kill(pid, 0)
         except ProcessLookupError:
             return
         time.sleep(0.2)
-    os.kill(engine_pid, 9)
-    raise AssertionError("the engine outlived its parent by 30 s")
+    os.kill(pid, 9)
+    raise AssertionError(f"the engine outlived its parent by {within:.0f} s")
+
+
+def test_engine_stops_when_the_process_that_started_it_is_killed(tmp_path):
+    """A SIGKILLed generator must not leave its engines serving (they run in their own session)."""
+    parent, engine_pid, _ = _engine_of_a_doomed_parent(tmp_path)
+    parent.kill()
+    parent.wait()
+    _assert_exits(engine_pid, 30)
+
+
+def test_an_orphaned_engine_stops_even_while_a_pause_holds_a_request(tmp_path):
+    """A generator killed between pause and continue (it loads weights every step) leaves its
+    engine paused with requests in flight that will never finish; the engine must stop anyway,
+    not wait for them as a graceful shutdown would."""
+    parent, engine_pid, port = _engine_of_a_doomed_parent(tmp_path)
+    url = f"http://127.0.0.1:{port}"
+    httpx.post(f"{url}/pause_generation", json={}, timeout=10).raise_for_status()
+    with ThreadPoolExecutor(1) as pool:
+        held = pool.submit(httpx.post, f"{url}/generate", json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4}}, timeout=60)
+        time.sleep(1.0)
+        assert not held.done(), "the pause should hold the request"
+        parent.kill()
+        parent.wait()
+        _assert_exits(engine_pid, 15)

@@ -219,6 +219,12 @@ def _result(engine: ScheduledEngine, job: GenerationJob, sample, return_logprob:
     return {"output_ids": sample.output_ids, "text": text, "meta_info": meta}
 
 
+GRACEFUL_SHUTDOWN_SECONDS = 5.0
+"""How long a stopping engine lets requests in flight finish before it cancels them. Without a
+bound uvicorn waits for them forever, and an engine whose generator was killed between pause and
+continue holds its requests forever: it outlived its run (a deployed test caught one)."""
+
+
 def serve(
     model_path: str, host: str = "127.0.0.1", port: int = 30000, api_key: str | None = None,
     max_batch_size: int = 32, weight_version: str = "default", exit_with_parent: bool = False,
@@ -249,7 +255,7 @@ def serve(
     app = create_app(engine, api_key=api_key)
     log.info("serving %s on http://%s:%d", model_path, host, port)
     try:
-        uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
+        uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS)
     finally:
         engine.shutdown()
 
