@@ -19,10 +19,11 @@ from pathlib import Path
 
 import httpx
 import pytest
+import uvicorn
 
 from configs.schema import ModelConfig
 from infra.engines.api import SamplingParams
-from infra.engines.client import EngineClient, EngineRequestError
+from infra.engines.client import KEEPALIVE_SECONDS, EngineClient, EngineRequestError
 from infra.engines.process import EngineProcess, cpu_engine_process
 from infra.modelfactory import save_tiny_model
 from infra.ports import free_port_block
@@ -232,6 +233,12 @@ def test_a_4xx_is_raised_at_once_and_the_engine_stays_in_rotation(engines):
     assert elapsed < 1.0, f"a 4xx took {elapsed:.2f}s: it must not be retried"
     assert all(s["healthy"] and s["failures"] == 0 and s["outstanding"] == 0 for s in status), status
     assert after["meta_info"]["completion_tokens"] == 4
+
+
+def test_the_client_drops_idle_connections_before_the_engine_server_would():
+    """A pooled connection the server closes just as the client reuses it fails the request and
+    takes the engine out of rotation; the client must give up idle connections first."""
+    assert KEEPALIVE_SECONDS < uvicorn.Config(app=None).timeout_keep_alive
 
 
 def _engine_of_a_doomed_parent(tmp_path: Path) -> tuple[subprocess.Popen, int, int]:

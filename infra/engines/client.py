@@ -73,6 +73,16 @@ class WeightSyncResult:
     message: str
 
 
+KEEPALIVE_SECONDS = 3.0
+"""How long an idle pooled connection is kept for reuse: under the 5 s after which uvicorn (the
+HTTP server of tandem's engines, and of SGLang's) closes an idle connection by default. With
+aiohttp's default of 15 s, a connection reused about 5 s after its last request (in a synchronous
+run, a training step and a weight load between two batches) could meet the server closing it:
+the request failed with "Server disconnected" and took its engine out of rotation until the
+health probe brought it back (in both of two 3-step runs of the quick scaling benchmark's first
+configuration, 1-2 times a run; in neither of two runs with this bound)."""
+
+
 class EngineClient:
     """Least-outstanding balancing, health-based rotation and retries over engine URLs."""
 
@@ -101,7 +111,7 @@ class EngineClient:
             self._session = aiohttp.ClientSession(
                 headers=self.headers,
                 timeout=aiohttp.ClientTimeout(total=self.request_timeout, sock_connect=2.0),
-                connector=aiohttp.TCPConnector(limit=1024, limit_per_host=0),
+                connector=aiohttp.TCPConnector(limit=1024, limit_per_host=0, keepalive_timeout=KEEPALIVE_SECONDS),
             )
         return self._session
 
