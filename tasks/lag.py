@@ -146,7 +146,7 @@ def claim_share(max_lag: int, groups_per_step: int, producers: int) -> int:
 
     An equal share of the admission window, rounded up. Without it the first generator claimed
     every slot the window admits the moment it opened, and one added to a running run (a
-    scale-up) only got slots when it won a race for them, which it could lose for a whole run.
+    scale-up) only got slots when it won a race for them.
     A share bounds what is in flight, not what is done: a faster generator commits its share
     sooner and claims again sooner. One generator's share is the whole window."""
     return -(-admission_capacity(0, max_lag, groups_per_step) // max(producers, 1))
