@@ -8,6 +8,7 @@ process on loopback, started with an API key so that the auth check runs on ever
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -19,9 +20,10 @@ import httpx
 import pytest
 import torch
 
-from configs.schema import EngineConfig, SimLatencyConfig
+from configs.schema import EngineConfig, ModelConfig, SimLatencyConfig
 from infra.engines.process import EngineProcess, cpu_engine_process
-from infra.modelfactory import load_model
+from infra.manifest import MANIFEST_NAME, build_manifest
+from infra.modelfactory import load_model, save_tiny_model
 from infra.ports import free_port_block
 from tests.conftest import committed_model_dir, corrupt_copy
 
@@ -250,3 +252,16 @@ def test_info_routes_answer_on_new_and_deprecated_paths(http):
     for path in ("/server_info", "/get_server_info"):
         assert http.get(path).status_code == 200
     assert http.post("/flush_cache").status_code == 200
+
+
+def test_a_snapshot_of_another_architecture_is_refused_naming_the_tensor(http, engine, tmp_path):
+    if engine.backend != "cpu":
+        pytest.skip("the CPU engine copies tensors into its live model; the others load no tensors")
+    wider = save_tiny_model(ModelConfig(hidden_size=64, num_heads=4), tmp_path / "wider", seed=0)
+    (wider / MANIFEST_NAME).write_text(json.dumps(build_manifest(wider)))
+    version = http.get("/model_info").json()["weight_version"]
+    refused = http.post("/update_weights_from_disk", json={"model_path": str(wider), "weight_version": "7"})
+    assert refused.status_code == 400 and refused.json()["success"] is False
+    assert "model.embed_tokens.weight has shape" in refused.json()["message"], refused.json()
+    assert http.get("/model_info").json()["weight_version"] == version
+    assert len(generate(http, max_new_tokens=4, ignore_eos=True)[0]["output_ids"]) == 4

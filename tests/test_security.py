@@ -207,17 +207,23 @@ def _weights_named_by_config(snapshot: Path) -> None:
     (snapshot / "config.json").write_text(json.dumps(config | {"transformers_weights": "adapter_model.bin"}))
 
 
+NO_SAFETENSORS = "no *.safetensors file"
+"""The engine reads safetensors files only, so a snapshot without one is refused before any .bin is read."""
 SNAPSHOT_CASES = {
-    # id: (file the payload becomes, payload, drop model.safetensors, extra damage, reason in the error)
-    "pickle as model.safetensors": ("model.safetensors", pickle_payload, False, None, "header too large"),
-    "torch.save as model.safetensors": ("model.safetensors", torch_save_payload, False, None, "header too large"),
-    "pickle as pytorch_model.bin": ("pytorch_model.bin", pickle_payload, True, None, "no file named model.safetensors"),
-    "torch.save as pytorch_model.bin": ("pytorch_model.bin", torch_save_payload, True, None,
+    # id: (file the payload becomes, payload, drop model.safetensors, extra damage,
+    #      reason in the engine's refusal, reason in load_model's)
+    "pickle as model.safetensors": ("model.safetensors", pickle_payload, False, None, "header too large", "header too large"),
+    "torch.save as model.safetensors": ("model.safetensors", torch_save_payload, False, None, "header too large",
+                                        "header too large"),
+    "pickle as pytorch_model.bin": ("pytorch_model.bin", pickle_payload, True, None, NO_SAFETENSORS,
+                                    "no file named model.safetensors"),
+    "torch.save as pytorch_model.bin": ("pytorch_model.bin", torch_save_payload, True, None, NO_SAFETENSORS,
                                         "no file named model.safetensors"),
     "torch.save named by config.json": ("adapter_model.bin", torch_save_payload, True, _weights_named_by_config,
-                                        "Weights only load failed"),
-    "header length of 2^40": ("model.safetensors", huge_header_length, False, None, "header too large"),
-    "tensor of 10^12 elements": ("model.safetensors", huge_tensor, False, None, "incomplete metadata"),
+                                        NO_SAFETENSORS, "Weights only load failed"),
+    "header length of 2^40": ("model.safetensors", huge_header_length, False, None, "header too large", "header too large"),
+    "tensor of 10^12 elements": ("model.safetensors", huge_tensor, False, None, "incomplete metadata",
+                                 "incomplete metadata"),
 }  # fmt: skip
 
 
@@ -227,7 +233,7 @@ def test_hostile_snapshot_runs_no_code(case, engine, file_store: RunStore, model
     fetched by load_snapshot like any other, then refused, with the reason, by the engine's
     /update_weights_from_disk (a 400, the old weights serving on) and by load_model (the
     trainer's loader); no code runs and memory does not balloon."""
-    name, payload, drop_safetensors, damage, reason = SNAPSHOT_CASES[case]
+    name, payload, drop_safetensors, damage, engine_reason, loader_reason = SNAPSHOT_CASES[case]
     marker = tmp_path / "marker"
     hostile = shutil.copytree(model_dir, tmp_path / "hostile")
     if drop_safetensors:
@@ -242,11 +248,11 @@ def test_hostile_snapshot_runs_no_code(case, engine, file_store: RunStore, model
     with TestClient(create_app(engine)) as client:
         answer = client.post("/update_weights_from_disk", json={"model_path": str(local), "weight_version": "1"})
         assert answer.status_code == 400, answer.text[:1000]
-        assert reason in answer.json()["message"]
+        assert engine_reason in answer.json()["message"]
         assert client.get("/model_info").json()["weight_version"] == "0"
     with pytest.raises((OSError, SafetensorError, pickle.UnpicklingError)) as refused:
         load_model(local)
-    assert reason in str(refused.value)
+    assert loader_reason in str(refused.value)
     guard.check()
 
 
