@@ -174,8 +174,6 @@ class StorageConfig(Section):
     """Name of a Prefect Secret block holding {"key": ..., "secret": ...}; wins over the env vars."""
     retry_seconds: float = Field(30.0, ge=0, le=3600)
     """How long a storage call keeps retrying transient errors before it gives up."""
-    poll_seconds: float = Field(0.2, ge=0.01, le=60)
-    """How often a trainer waiting for rollouts, and a generator waiting for weights or lag room, look again."""
     keep_last_snapshots: int = Field(3, ge=1, le=10000)
     """Retention: keep the newest this many weight snapshots."""
     keep_every_snapshot: int = Field(10, ge=1, le=1_000_000)

@@ -43,6 +43,11 @@ from tasks.lag import IN_FLIGHT_TTL_SECONDS, live_producers, publish_in_flight, 
 from tasks.metrics import MetricsLog
 
 
+POLL_SECONDS = 0.2
+"""How often the loop looks at LATEST and the trainer state while it has nothing to start: a
+storage read each, so not much more often than the trainer steps."""
+
+
 LOAD_REPORT_SECONDS = 10.0
 """How often a generator records how much of its time it could start no work."""
 
@@ -141,10 +146,10 @@ def _generate(config: RunConfig, producer: str, cache: Path) -> dict:
             reported.maybe_publish(in_flight)
             if not specs and not in_flight:
                 idle_started = time.monotonic()
-                time.sleep(config.storage.poll_seconds)
+                time.sleep(POLL_SECONDS)
                 idle_seconds += time.monotonic() - idle_started
             elif not specs:
-                _wait_for_first([c.future for c in in_flight], config.storage.poll_seconds)
+                _wait_for_first([c.future for c in in_flight], POLL_SECONDS)
             load.maybe_log(idle_seconds, len(in_flight))
         if in_flight and read_trainer_state(store).done:
             fleet.abort_all()

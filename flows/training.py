@@ -33,8 +33,7 @@ class GenerationStopped(RuntimeError):
 @task(cache_policy=NONE)
 def admit_batch(learner: Learner) -> dict[str, pa.Table]:
     """Wait for `prompts_per_step` groups within the lag bound; drop and count stale ones."""
-    shards = learner.admit_batch(should_stop=lambda: stop_reason(learner.store) is not None,
-                                 poll_seconds=learner.config.storage.poll_seconds)
+    shards = learner.admit_batch(should_stop=lambda: stop_reason(learner.store) is not None)
     if shards is None:
         raise GenerationStopped(f"training stopped at v{learner.version}: {stop_reason(learner.store)}")
     return shards
