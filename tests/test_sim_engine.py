@@ -5,7 +5,10 @@ the configured long tail, its tokens are valid, and it reports the weights it wa
 from __future__ import annotations
 
 import statistics
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -14,6 +17,8 @@ from infra.engines.api import SamplingParams
 from infra.engines.scheduler import GenerationJob
 from infra.engines.sim import SimEngine
 from tests.conftest import committed_model_dir
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -85,3 +90,15 @@ def test_update_weights_takes_the_load_time_and_is_reported(model_dirs):
     assert ok, message
     assert took == pytest.approx(500.0 * size_gb, rel=0.3, abs=0.05)
     assert jobs[0].weight_version == "1" and engine.stats()["weight_version"] == "1"
+
+
+def test_a_simulated_engine_imports_no_torch(model_dirs):
+    """N simulated engines boot side by side with the trainer on 2 cores: torch (and transformers'
+    model code, which imports it) cost each of them about 1.5 s of CPU at start-up."""
+    probe = ("import sys; from configs.schema import SimLatencyConfig; from infra.engines.server import create_app; "
+             "from infra.engines.sim import SimEngine; "
+             f"engine = SimEngine({str(model_dirs[0])!r}, SimLatencyConfig()); create_app(engine); engine.shutdown(); "
+             "print(len(engine.token_ids) > 0, engine.eos_token_id is not None, 'torch' in sys.modules)")  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True", "True", "False"]

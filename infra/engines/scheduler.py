@@ -21,10 +21,12 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from infra.engines.api import SamplingParams
+
+if TYPE_CHECKING:  # the CPU engine's samplers; the simulated engine's process never imports torch
+    import torch
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,6 @@ import signal
 import threading
 import time
 
-import torch
 import uvicorn
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
@@ -35,7 +34,6 @@ from infra.engines.api import (
     UpdateWeightsFromDiskRequest,
 )
 from configs.schema import SimLatencyConfig
-from infra.engines.cpu import CpuEngine
 from infra.engines.scheduler import GenerationJob, ScheduledEngine
 from infra.engines.sim import SimEngine
 
@@ -239,18 +237,25 @@ def serve(
     engine runs in a session of its own (so that stopping it never signals anything else), and
     without this a SIGKILLed generator would leave its engines serving forever.
 
+    torch and the CPU engine are imported only to serve the CPU engine: a simulated engine's
+    process never imports them (1.5 s of start-up each, see sim.py).
+
     Unless OMP_NUM_THREADS says otherwise, torch gets one thread fewer than the cores this process
     may use: the HTTP event loop shares the process and the rollout client often shares the
     machine, and an oversubscribed intra-op pool collapses (on 2 busy cores, 2 torch threads
     decoded 10x slower than 1 in benchmarks/engine.py)."""
-    if not os.environ.get("OMP_NUM_THREADS"):
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        torch.set_num_threads(max(1, cores - 1))
     if exit_with_parent:
         _stop_when_orphaned(os.getppid())
     if sim_latency is not None:
         engine = SimEngine(model_path, sim_latency, max_batch_size=max_batch_size, weight_version=weight_version)
     else:
+        import torch
+
+        from infra.engines.cpu import CpuEngine
+
+        if not os.environ.get("OMP_NUM_THREADS"):
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+            torch.set_num_threads(max(1, cores - 1))
         engine = CpuEngine(model_path, max_batch_size=max_batch_size, weight_version=weight_version)
     app = create_app(engine, api_key=api_key)
     log.info("serving %s on http://%s:%d", model_path, host, port)
