@@ -62,6 +62,7 @@ def training(config: RunConfig) -> dict:
 
 
 def _train(config: RunConfig, store: RunStore, cache: Path) -> dict:
+    store.clear_staging()  # what a killed trainer left half-written
     initial = load_snapshot(store, cache / "weights", version=0)
     learner = Learner(config, store, load_model(initial), load_tokenizer(initial), cache, MetricsLog(store, "trainer"))
     resumed = learner.resume()

@@ -122,18 +122,20 @@ def verify_local_dir(local_dir: Path) -> dict[str, Any]:
 
 
 def commit_directory(
-    store: RunStore, local_dir: Path, prefix: str, extra: dict[str, Any] | None = None
+    store: RunStore, local_dir: Path, prefix: str, extra: dict[str, Any] | None = None, take_files: bool = False
 ) -> bool:
     """Upload `local_dir` under `prefix` and commit it with a manifest written last.
 
-    Returns False, uploading nothing, if `prefix` is already committed (a retried commit)."""
+    `take_files`: `local_dir` is staging its caller deletes, so the store may link its files
+    rather than copy them (`RunStore.upload`). Returns False, uploading nothing, if `prefix` is
+    already committed (a retried commit)."""
     manifest_key = f"{prefix}/{MANIFEST_NAME}"
     if store.exists(manifest_key):
         return False
     manifest = build_manifest(local_dir, extra)
     store.delete_prefix(prefix)  # leftovers of a killed attempt: never committed, never read
     for name in manifest["files"]:
-        store.upload(Path(local_dir) / name, f"{prefix}/{name}")
+        store.upload(Path(local_dir) / name, f"{prefix}/{name}", take=take_files)
     data = json.dumps(manifest, indent=1, sort_keys=True).encode()
     return store.put_if_absent(manifest_key, data)
 

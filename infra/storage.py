@@ -44,6 +44,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import shutil
 import threading
 import time
 import uuid
@@ -81,6 +82,8 @@ TRANSIENT_ERROR_CODES = frozenset({
 """S3 error codes that a later attempt can get past, whatever HTTP status carried them."""
 TRANSIENT_4XX = (408, 429)
 _MEMORY_LOCK = threading.Lock()
+STAGING = ".staging"
+"""The file:// run directory's staging area for files uploaded by hard link (`RunStore.upload`)."""
 
 
 class StorageUnavailable(RuntimeError):
@@ -226,12 +229,36 @@ class RunStore:
             self.fs.pipe_file(self.path(key), data)
             return True
 
-    def upload(self, local: Path, key: str) -> None:
-        """Copy a local file to `key` (not a commit by itself: a manifest written last is)."""
+    def upload(self, local: Path, key: str, *, take: bool = False) -> None:
+        """Copy a local file to `key` (not a commit by itself: a manifest written last is).
+
+        `take`: `local` is a staging file its caller deletes and never writes again. On file://
+        the store then hard-links it instead of copying it, when both are on one filesystem
+        (`staging_dir` makes sure): a 453 MB snapshot's upload went from a 1.1 s copy to a link
+        (benchmarks/weightsync.py). Never for files the caller keeps, such as a user's model
+        directory: a hard link would share any later write into them."""
         if self.protocol == "file":
             target = Path(self.path(key))
             target.parent.mkdir(parents=True, exist_ok=True)
+            if take and _link_replacing(local, target):
+                return
         self._retry(self.fs.put_file, str(local), self.path(key))
+
+    def staging_dir(self) -> Path | None:
+        """Where to write files that `upload(..., take=True)` will move in: on file://, the run's
+        hidden `.staging/` (the store's own filesystem; hidden names are never listed), made on
+        demand; None elsewhere (the system's temporary directory)."""
+        if self.protocol != "file":
+            return None
+        path = Path(self.path(STAGING))
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def clear_staging(self) -> None:
+        """Remove what a killed writer left in `staging_dir` (the trainer calls it as it starts:
+        it is the run's one writer of snapshots and checkpoints)."""
+        if self.protocol == "file":
+            shutil.rmtree(self.path(STAGING), ignore_errors=True)
 
     def delete(self, key: str) -> None:
         """Remove one object; a missing one is not an error."""
@@ -384,3 +411,15 @@ def _remove_empty_dirs(top: Path) -> None:
             directory.rmdir()
     if top.is_dir() and not any(top.iterdir()):
         top.rmdir()
+
+
+def _link_replacing(source: Path, target: Path) -> bool:
+    """Hard-link `source` at `target`, replacing what is there; False where the filesystems
+    cannot (another device, links refused), and the caller copies instead."""
+    temp = target.with_name(f".{target.name}.{uuid.uuid4().hex}.tmp")
+    try:
+        os.link(source, temp)
+    except OSError:
+        return False
+    os.replace(temp, target)
+    return True

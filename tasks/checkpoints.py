@@ -68,7 +68,7 @@ def save_checkpoint(
     staging_dir: Path | None = None,
 ) -> bool:
     """Write and commit the checkpoint of `step`; False if that step was already committed."""
-    with tempfile.TemporaryDirectory(prefix="checkpoint-", dir=staging_dir) as temp:
+    with tempfile.TemporaryDirectory(prefix="checkpoint-", dir=staging_dir or store.staging_dir()) as temp:
         out = Path(temp)
         save_model(model, str(out / "model.safetensors"))
         tensors: dict[str, torch.Tensor] = {}
@@ -79,7 +79,7 @@ def save_checkpoint(
         _write_json(out / "rng.json", _host_rng_states())
         state = {"format": STATE_FORMAT, "step": step, "ledger": list(ledger), "extra": extra or {}}
         _write_json(out / "state.json", state)
-        return commit_directory(store, out, checkpoint_prefix(step), extra={"step": step})
+        return commit_directory(store, out, checkpoint_prefix(step), extra={"step": step}, take_files=True)
 
 
 def checkpoint_steps(store: RunStore) -> list[int]:

@@ -59,17 +59,20 @@ def publish_snapshot(
 ) -> int:
     """Save `model` and `tokenizer` as snapshot `version`, commit it, move LATEST; returns version.
 
-    Idempotent: publishing a version that is already committed only (re)moves LATEST forward."""
-    with tempfile.TemporaryDirectory(prefix="snapshot-", dir=staging_dir) as temp:
+    Idempotent: publishing a version that is already committed only (re)moves LATEST forward.
+    On file:// it stages in the run's own `.staging/`, so that the files are linked into the
+    snapshot rather than written a second time (`RunStore.upload`)."""
+    with tempfile.TemporaryDirectory(prefix="snapshot-", dir=staging_dir or store.staging_dir()) as temp:
         model.save_pretrained(temp)
         tokenizer.save_pretrained(temp)
-        return publish_snapshot_dir(store, Path(temp), version)
+        return publish_snapshot_dir(store, Path(temp), version, take_files=True)
 
 
-def publish_snapshot_dir(store: RunStore, local_dir: Path, version: int) -> int:
-    """Commit an HF directory already on disk (e.g. the initial model) as snapshot `version`."""
+def publish_snapshot_dir(store: RunStore, local_dir: Path, version: int, take_files: bool = False) -> int:
+    """Commit an HF directory already on disk (e.g. the initial model) as snapshot `version`;
+    `take_files` only for a staging directory the caller deletes (see `commit_directory`)."""
     prefix = snapshot_prefix(version)
-    commit_directory(store, local_dir, prefix, extra={"version": version})
+    commit_directory(store, local_dir, prefix, extra={"version": version}, take_files=take_files)
     if not store.exists(f"{prefix}/{MANIFEST_NAME}"):
         raise RuntimeError(f"snapshot {version} has no manifest after its commit")
     current = latest_version(store)

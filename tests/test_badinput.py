@@ -509,9 +509,9 @@ SNAPSHOT_CASES = [
     snapshot("engine load with a sha256 mismatch", DamagedSnapshot(_flip_weights_byte, "engine"),
              ("model.safetensors: sha256", "manifest says")),
     snapshot("engine load of a config.json that is not JSON", DamagedSnapshot(_config(b"{not json", True), "engine"),
-             "config.json' is not a valid JSON file"),
+             "config.json is not valid JSON"),
     snapshot("engine load of a config.json that is a list", DamagedSnapshot(_config(b"[1, 2]", True), "engine"),
-             "Should have a `model_type` key in its config.json"),
+             "config.json describes model_type 'list', the serving model is 'llama'"),
 ]  # fmt: skip
 
 

@@ -81,6 +81,22 @@ def test_snapshot_round_trip_gives_identical_logits(store, tmp_path, model, toke
     assert load_tokenizer(local).encode("Q 3 7 + 4 5") == tokenizer.encode("Q 3 7 + 4 5")
 
 
+def test_publishing_on_file_links_the_staged_files_and_leaves_no_staging(file_store, tmp_path, model, tokenizer,
+                                                                         monkeypatch) -> None:  # fmt: skip
+    """The snapshot is saved once, in the run's own staging area, and linked into place: a copy
+    would write every snapshot twice (1.1 s of a 453 MB one)."""
+
+    def no_copy(*args, **kwargs):
+        raise AssertionError("a staged snapshot file was copied")
+
+    monkeypatch.setattr(file_store.fs, "put_file", no_copy)
+    publish_snapshot(file_store, model, tokenizer, version=0)
+    assert not any(file_store.staging_dir().iterdir())
+    local = load_snapshot(file_store, tmp_path / "cache", 0)
+    assert verify_local_dir(local)["extra"] == {"version": 0}
+    assert (file_store.local_path(snapshot_prefix(0)) / "model.safetensors").stat().st_nlink == 1
+
+
 def test_flipped_byte_is_detected_and_named(store, tmp_path, model, tokenizer) -> None:
     publish_snapshot(store, model, tokenizer, version=1)
     cached = load_snapshot(store, tmp_path / "cache", version=1)
@@ -105,11 +121,11 @@ def test_failed_upload_leaves_latest_unchanged(store, tmp_path, model, tokenizer
     real_upload = store.upload
     uploads = []
 
-    def upload_then_die(local: Path, key: str) -> None:
+    def upload_then_die(local: Path, key: str, take: bool = False) -> None:
         if len(uploads) == 2:
             raise OSError("writer killed mid-snapshot")
         uploads.append(key)
-        real_upload(local, key)
+        real_upload(local, key, take=take)
 
     monkeypatch.setattr(store, "upload", upload_then_die)
     with pytest.raises(OSError, match="killed"):

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -77,6 +78,33 @@ def test_upload_and_download_round_trip(store: RunStore, tmp_path: Path):
     copy = tmp_path / "copy" / "model.safetensors"
     store.download("weights/v00000000/model.safetensors", copy)
     assert copy.read_bytes() == source.read_bytes()
+
+
+def test_a_taken_staging_file_is_linked_and_a_kept_file_copied(file_store: RunStore):
+    """On file://, upload(take=True) moves a staging file in by hard link (no second write of a
+    snapshot); a file the caller keeps is copied, so that writing into it later changes nothing."""
+    staging = file_store.staging_dir()
+    assert staging is not None and file_store.list("") == []  # the staging area is never listed
+    taken, kept = staging / "taken.bin", staging / "kept.bin"
+    taken.write_bytes(b"snapshot bytes")
+    kept.write_bytes(b"user bytes")
+    file_store.upload(taken, "weights/v1/model.safetensors", take=True)
+    file_store.upload(kept, "weights/v0/model.safetensors")
+    assert os.path.samefile(taken, file_store.path("weights/v1/model.safetensors"))
+    kept.write_bytes(b"changed by the user")
+    assert file_store.read_bytes("weights/v0/model.safetensors") == b"user bytes"
+    file_store.clear_staging()
+    assert not staging.exists() and file_store.read_bytes("weights/v1/model.safetensors") == b"snapshot bytes"
+
+
+@pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="needs a second filesystem (tmpfs at /dev/shm)")
+def test_a_taken_file_on_another_filesystem_is_copied(file_store: RunStore):
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as other:
+        source = Path(other) / "snapshot.bin"
+        source.write_bytes(b"bytes from tmpfs")
+        file_store.upload(source, "weights/v1/model.safetensors", take=True)
+        assert file_store.read_bytes("weights/v1/model.safetensors") == b"bytes from tmpfs"
+        assert not os.path.samefile(source, file_store.path("weights/v1/model.safetensors"))
 
 
 def test_file_store_hides_temporaries_of_unfinished_writes(file_store: RunStore):

@@ -18,6 +18,7 @@ the sampled token, as SGLang returns by default: exactly what the trainer recomp
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from pathlib import Path
 
@@ -75,6 +76,17 @@ def _read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
     for path in files:
         state.update(load_file(path))
     return state
+
+
+def _check_config(model_dir: Path, model_type: str) -> None:
+    """Raise ValueError unless the directory's config.json is a JSON object of `model_type`."""
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"config.json is not valid JSON: {err}") from err
+    if not isinstance(config, dict) or config.get("model_type") != model_type:
+        found = config.get("model_type") if isinstance(config, dict) else type(config).__name__
+        raise ValueError(f"config.json describes model_type {found!r}, the serving model is {model_type!r}")
 
 
 def _check_matches(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
@@ -149,11 +161,13 @@ class CpuEngine(ScheduledEngine):
         16 ms of a tiny model's 18 ms load, and a snapshot of the same policy has the same
         architecture by construction. What a snapshot must match is checked before the swap:
         every tensor the model has (a tied one may be absent: it shares its storage with one
-        that is present), nothing it lacks, the same shapes. Only *.safetensors files are read,
+        that is present), nothing it lacks, the same shapes, and a config.json of the same
+        model_type (an engine restarted on this snapshot builds from it). Only *.safetensors files are read,
         so a pickled .bin never reaches torch.load. A file that is not what it claims to be is a
         refusal naming the reason, not a server error."""
         try:
             verify_local_dir(Path(model_path))
+            _check_config(Path(model_path), self.model.config.model_type)
             state = _read_safetensors(Path(model_path))
             _check_matches(self.model, state)
         except (ManifestError, OSError, ValueError, SafetensorError) as err:
