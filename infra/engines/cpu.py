@@ -162,9 +162,9 @@ class CpuEngine(ScheduledEngine):
         architecture by construction. What a snapshot must match is checked before the swap:
         every tensor the model has (a tied one may be absent: it shares its storage with one
         that is present), nothing it lacks, the same shapes, and a config.json of the same
-        model_type (an engine restarted on this snapshot builds from it). Only *.safetensors files are read,
-        so a pickled .bin never reaches torch.load. A file that is not what it claims to be is a
-        refusal naming the reason, not a server error."""
+        model_type (an engine restarted on this snapshot builds from it). Only *.safetensors
+        files are read, so a pickled .bin never reaches torch.load. A file that is not what it
+        claims to be is a refusal naming the reason, not a server error."""
         try:
             verify_local_dir(Path(model_path))
             _check_config(Path(model_path), self.model.config.model_type)
