@@ -284,7 +284,7 @@ class RunStore:
     def _write_local(self, key: str, data: bytes, *, replace: bool, sync: bool) -> bool:
         target = Path(self.path(key))
         target.parent.mkdir(parents=True, exist_ok=True)
-        temp = target.with_name(f".{target.name}.{uuid.uuid4().hex}.tmp")
+        temp = _temporary_sibling(target)
         try:
             with open(temp, "wb") as handle:
                 handle.write(data)
@@ -416,10 +416,15 @@ def _remove_empty_dirs(top: Path) -> None:
 def _link_replacing(source: Path, target: Path) -> bool:
     """Hard-link `source` at `target`, replacing what is there; False where the filesystems
     cannot (another device, links refused), and the caller copies instead."""
-    temp = target.with_name(f".{target.name}.{uuid.uuid4().hex}.tmp")
+    temp = _temporary_sibling(target)
     try:
         os.link(source, temp)
     except OSError:
         return False
     os.replace(temp, target)
     return True
+
+
+def _temporary_sibling(target: Path) -> Path:
+    """A unique hidden name beside `target` for a write not finished yet (hidden names are never listed)."""
+    return target.with_name(f".{target.name}.{uuid.uuid4().hex}.tmp")
