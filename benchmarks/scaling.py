@@ -24,7 +24,7 @@ what G1/N stands for in the ideal. Async runs skip max_lag + 1 warm-up steps (at
 `worst_async_ratio_vs_ideal: X`.
 
 Usage: python benchmarks/scaling.py [--quick] [--out FILE] [--plot FILE] [--g1 S --t S --s S]
-       [--engines 1,2,3,4] [--lags 0,1,2] [--steps K] [--warmup K] [--time-scale F]
+       [--engines 1,2,3,4] [--lags 0,1,2] [--steps K] [--warmup K] [--time-scale F] [--set FIELD=VALUE]
 """
 
 from __future__ import annotations
@@ -124,7 +124,7 @@ def tiny_snapshot_bytes() -> int:
 
 
 def run_once(profile: Profile, engines: int, max_lag: int, steps: int, warmup: int, root: Path, env: dict,
-             latency: SimLatencyConfig) -> dict:  # fmt: skip
+             latency: SimLatencyConfig, extra: list[str] = ()) -> dict:  # fmt: skip
     """One pipeline run in a fresh process; its figures read back from the run directory."""
     run_id = f"{profile.name}-n{engines}-lag{max_lag}"
     overrides = [
@@ -134,7 +134,7 @@ def run_once(profile: Profile, engines: int, max_lag: int, steps: int, warmup: i
         f"training.prompts_per_step={PROMPTS_PER_STEP}", f"training.steps={warmup + steps}", "training.warmup_steps=0",
         f"training.simulate_step_seconds={profile.t}", "training.checkpoint_every=1000", "training.publish_every=1",
         f"lag.max_lag={max_lag}", "env.entrypoint=tasks.envs.arithmetic:AdditionEnv", "env.kwargs={}", "env.max_turns=1",
-        "env.eval_prompts=0", "dask.n_workers=2", "dask.threads_per_worker=16",
+        "env.eval_prompts=0", "dask.n_workers=2", "dask.threads_per_worker=16", *extra,
     ]  # fmt: skip
     command = run_command(ROOT / "configs" / "tiny.yaml", overrides)
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
@@ -269,6 +269,8 @@ def main() -> None:
     parser.add_argument("--t", type=float, default=6.5, help="Custom profile: seconds of a training step.")
     parser.add_argument("--s", type=float, default=0.3, help="Custom profile: seconds of a weight sync.")
     parser.add_argument("--time-scale", type=float, help="Multiply every profile's times (default 1; 0.5 with --quick).")
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                        help="Config override for every run, as `tandem run --set` (repeatable).")  # fmt: skip
     args = parser.parse_args()
     args.time_scale = args.time_scale or (0.5 if args.quick else 1.0)
     steps, warmup = (3, 1) if args.quick else (args.steps, args.warmup)
@@ -283,7 +285,7 @@ def main() -> None:
         for i, (profile, engines, lag) in enumerate(runs, 1):
             console.print(f"[{i}/{len(runs)}] {profile.name}: {engines} engine(s), max_lag {lag} ({time.monotonic() - started:.0f} s so far)")
             skipped = warmup if lag == 0 or args.quick else max(warmup, lag + 1)
-            measured = run_once(profile, engines, lag, steps, skipped, root / "runs", env, latency_for(profile, snapshot_bytes))
+            measured = run_once(profile, engines, lag, steps, skipped, root / "runs", env, latency_for(profile, snapshot_bytes), args.set)
             ideal = profile.ideal(engines, sync=lag == 0)
             results.append({"profile": profile.name, **asdict(profile), "engines": engines, "max_lag": lag,
                             "warmup": skipped, "ideal_seconds": ideal, "ratio": measured["step_seconds"] / ideal, **measured})  # fmt: skip

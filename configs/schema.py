@@ -115,6 +115,8 @@ class GenerationConfig(Section):
     """Top-k cut-off; -1 disables it (SGLang's convention)."""
     max_new_tokens: int = Field(16, ge=1, le=32768)
     """Most tokens the model generates in one turn."""
+    hand_off_stragglers: bool = True
+    """Move half of a busy engine's requests, with their tokens so far, to an engine that ran dry."""
 
 
 class TrainingConfig(Section):

@@ -63,6 +63,7 @@ class GroupSpec:
     context_length: int = 64
     api_key: str | None = None
     request_timeout: float = 120.0
+    hand_off_stragglers: bool = True
 
 
 @dataclass(frozen=True)
@@ -152,10 +153,13 @@ def _worker_loop() -> asyncio.AbstractEventLoop:
 
 async def _engine_client(spec: GroupSpec) -> EngineClient:
     """The worker's client for `spec`'s engines (made on the worker loop, kept for later groups)."""
-    key = (spec.engine_urls, spec.api_key, spec.request_timeout)
+    key = (spec.engine_urls, spec.api_key, spec.request_timeout, spec.hand_off_stragglers)
     client = _CLIENTS.get(key)
     if client is None:
-        client = _CLIENTS[key] = EngineClient(list(spec.engine_urls), api_key=spec.api_key, request_timeout=spec.request_timeout)
+        client = _CLIENTS[key] = EngineClient(
+            list(spec.engine_urls), api_key=spec.api_key, request_timeout=spec.request_timeout,
+            hand_off_stragglers=spec.hand_off_stragglers,
+        )  # fmt: skip
         await client.__aenter__()
     return client
 
@@ -257,7 +261,7 @@ class Generator:
             storage=cfg.storage, env_entrypoint=cfg.env.entrypoint, env_kwargs=dict(cfg.env.kwargs),
             max_turns=cfg.env.max_turns, samples=gen.samples_per_prompt, sampling=sampling,
             context_length=cfg.model.max_position_embeddings, api_key=self.fleet.api_key,
-            request_timeout=cfg.engine.request_timeout_s,
+            request_timeout=cfg.engine.request_timeout_s, hand_off_stragglers=gen.hand_off_stragglers,
         )  # fmt: skip
 
 

@@ -23,11 +23,11 @@ import uvicorn
 
 from configs.schema import ModelConfig
 from infra.engines.api import SamplingParams
-from infra.engines.client import KEEPALIVE_SECONDS, EngineClient, EngineRequestError
+from infra.engines.client import KEEPALIVE_SECONDS, EngineClient, EngineRequestError, _continued_seed, _joined
 from infra.engines.process import EngineProcess, cpu_engine_process
 from infra.modelfactory import save_tiny_model
 from infra.ports import free_port_block
-from tests.conftest import committed_model_dir, corrupt_copy
+from tests.conftest import committed_model_dir, corrupt_copy, reference_logprobs
 
 pytestmark = pytest.mark.slow
 
@@ -163,7 +163,7 @@ def test_least_outstanding_balances_equal_requests(engines):
     before = [engines.get(i, "/server_info")["tokens_generated"] for i in range(2)]
 
     async def scenario():
-        async with EngineClient(engines.urls, api_key=API_KEY) as client:
+        async with EngineClient(engines.urls, api_key=API_KEY, hand_off_stragglers=False) as client:
             results = await generate_many(client, 200, max_new_tokens=16, concurrency=32)
             return results, client.status()
 
@@ -174,6 +174,56 @@ def test_least_outstanding_balances_equal_requests(engines):
     assert max(completed) <= 0.65 * 200, completed
     generated = [engines.get(i, "/server_info")["tokens_generated"] - before[i] for i in range(2)]
     assert generated == [16 * c for c in completed], (generated, completed)
+
+
+def test_a_straggler_handed_off_mid_way_is_one_answer_with_the_models_logprobs(engines, models):
+    """Engine 1 out of rotation, 24 requests go to engine 0, which is paused once they are a few
+    tokens in. Engine 1 rejoins and answers one short request; running dry, it takes the newer
+    half of engine 0's requests with their tokens so far. Every answer must be one sample: 48
+    tokens, each logprob the model's for that token after the prompt and the tokens before it,
+    whichever engine produced it (so a continuation was given the tokens before it)."""
+    prompts = [prompt(i) for i in range(24)]
+
+    async def scenario():
+        async with EngineClient(engines.urls, api_key=API_KEY, health_interval=60) as client:
+            client.endpoints[1].healthy = False
+            before = engines.get(0, "/server_info")["tokens_generated"]
+            run = asyncio.gather(*(client.generate(p, params(48)) for p in prompts))
+            assert await wait_for(lambda: engines.get(0, "/server_info")["tokens_generated"] - before >= 24 * 4, 30, 0.005)
+            await client._control(client.endpoints[0], "/pause_generation", {"mode": "in_place"})
+            client.endpoints[1].healthy = True
+            await client.generate(PROMPT, params(1))
+            assert await wait_for(lambda: client.status()[0]["handed_off"] == 12, timeout=10), client.status()
+            await client._control(client.endpoints[0], "/continue_generation", {})
+            return await run, client.status()
+
+    results, status = asyncio.run(scenario())
+    # Resumed, engine 0 may run dry first or hand off again: every request ends once either way.
+    assert status[0]["handed_off"] >= 12 and status[0]["completed"] + status[1]["completed"] == 25, status
+    for p, (result,) in zip(prompts, results):
+        meta = result["meta_info"]
+        assert meta["finish_reason"]["type"] == "length" and meta["completion_tokens"] == len(result["output_ids"]) == 48
+        assert meta["prompt_tokens"] == len(p) and meta["weight_version"] == "0"
+        assert [entry[1] for entry in meta["output_token_logprobs"]] == result["output_ids"]
+        served = [entry[0] for entry in meta["output_token_logprobs"]]
+        assert served == pytest.approx(reference_logprobs(models["v0"], p, result["output_ids"]), abs=1e-4)
+
+
+def test_joined_parts_keep_the_order_and_the_lowest_weight_version():
+    def part(ids: list[int], version: str, finish: str) -> dict:
+        meta = {"id": f"r{ids[0]}", "prompt_tokens": 3, "completion_tokens": len(ids), "weight_version": version,
+                "finish_reason": {"type": finish}, "output_token_logprobs": [[-0.5, t, None] for t in ids]}  # fmt: skip
+        return {"output_ids": ids, "text": "".join(map(str, ids)), "meta_info": meta}
+
+    joined = _joined([part([1, 2], "7", "abort"), part([3], "6", "abort"), part([4, 5], "8", "stop")])
+    assert joined["output_ids"] == [1, 2, 3, 4, 5] and joined["text"] == "12345"
+    meta = joined["meta_info"]
+    assert [entry[1] for entry in meta["output_token_logprobs"]] == [1, 2, 3, 4, 5]
+    assert meta["weight_version"] == "6", "a sample is as old as its oldest token"
+    assert meta["finish_reason"] == {"type": "stop"} and meta["completion_tokens"] == 5
+    assert meta["prompt_tokens"] == 3 and meta["id"] == "r1"
+    assert _continued_seed(None, 5) is None and _continued_seed(11, 0) == 11
+    assert _continued_seed(11, 5) == _continued_seed(11, 5) != _continued_seed(11, 6) != 11
 
 
 def test_update_weights_loads_refuses_corrupt_snapshots_and_survives_a_hung_engine(engines, models):

@@ -18,14 +18,13 @@ from pathlib import Path
 
 import httpx
 import pytest
-import torch
 
 from configs.schema import EngineConfig, ModelConfig, SimLatencyConfig
 from infra.engines.process import EngineProcess, cpu_engine_process
 from infra.manifest import MANIFEST_NAME, build_manifest
-from infra.modelfactory import load_model, save_tiny_model
+from infra.modelfactory import save_tiny_model
 from infra.ports import free_port_block
-from tests.conftest import committed_model_dir, corrupt_copy
+from tests.conftest import committed_model_dir, corrupt_copy, reference_logprobs
 
 BACKEND = os.environ.get("TANDEM_ENGINE_BACKEND", "cpu")
 API_KEY = "contract-test-key"
@@ -82,15 +81,6 @@ def generate(http: httpx.Client, input_ids=PROMPT, **sampling) -> list[dict]:
     assert response.status_code == 200, response.text
     answer = response.json()
     return answer if isinstance(answer, list) else [answer]
-
-
-def reference_logprobs(model_dir: Path, prompt: list[int], output: list[int]) -> list[float]:
-    """Logprob of each output token under a plain full-sequence forward pass of the model."""
-    model = load_model(model_dir).eval()
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + output])).logits[0].float()
-    logprobs = torch.log_softmax(logits, dim=-1)
-    return [float(logprobs[len(prompt) - 1 + i, token]) for i, token in enumerate(output)]
 
 
 def test_logprobs_match_a_reference_forward_pass(http, engine, models):

@@ -7,6 +7,17 @@ error, timeout or 5xx marks its engine unhealthy (out of rotation) and is retrie
 with backoff; a background probe of /health brings the engine back when it answers again. A 4xx
 is the caller's mistake and is raised at once, never retried.
 
+Stragglers are handed off. A batch of long-tailed episodes ends with its most loaded engine:
+counts are balanced when requests are sent, lengths cannot be, and at 4 engines the last one
+finished about 13% after G1/N on the scaling benchmark's lengths (docs/benchmarks.md). So when
+an engine runs out of this client's requests while another still holds two or more, the client
+aborts the newer half of those (/abort_request by the rid it gave them), and each answers with
+the tokens it has so far, as SGLang's abort does; the client sends the rest of each sample
+(prompt + tokens so far, the remaining max_new_tokens) to the least loaded engine and joins the
+parts into one answer: tokens and behaviour logprobs in order, the lowest weight version that
+contributed (what the lag bound is checked against), the last part's finish reason. Only
+single-sample requests the caller gave no rid are moved: a caller's rid is the caller's to abort.
+
 `update_weights` moves every engine to a new snapshot with SGLang's documented order (pause ->
 update_weights_from_disk -> continue), each engine under its own timeout, and reports which
 engine is on which weight version, so one stuck engine cannot hang a weight sync. An engine given
@@ -25,7 +36,8 @@ import asyncio
 import json
 import logging
 import random
-from dataclasses import dataclass
+import uuid
+from dataclasses import dataclass, field
 
 import aiohttp
 
@@ -59,6 +71,10 @@ class Endpoint:
     weight_version: str | None = None
     completed: int = 0
     failures: int = 0
+    handed_off: int = 0
+    """Requests this client aborted here to finish them on an engine with room."""
+    movable: dict[str, None] = field(default_factory=dict)
+    """rids of this client's single-sample requests in flight here, oldest first."""
     paused: bool = False
     """This client sent /pause_generation and no /continue_generation has been answered since."""
 
@@ -93,6 +109,7 @@ class EngineClient:
         request_timeout: float = 120.0,
         retry_seconds: float = 60.0,
         health_interval: float = 0.5,
+        hand_off_stragglers: bool = True,
     ):
         if not urls:
             raise ValueError("EngineClient needs at least one engine URL")
@@ -100,6 +117,11 @@ class EngineClient:
         self.retry_seconds = retry_seconds
         self.request_timeout = request_timeout
         self.health_interval = health_interval
+        self.hand_off_stragglers = hand_off_stragglers
+        self._handing_off: set[str] = set()
+        """rids aborted by this client to move them: their abort answer is a part, not an end."""
+        self._hand_offs: set[asyncio.Task] = set()
+        """Hand-off aborts in flight (held so that the event loop does not drop them)."""
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._session: aiohttp.ClientSession | None = None
         self._prober: asyncio.Task | None = None
@@ -134,6 +156,8 @@ class EngineClient:
         self, input_ids: list[int], sampling_params: SamplingParams, return_logprob: bool = True, rid: str | None = None
     ) -> list[dict]:
         """Generate `sampling_params.n` samples for one prompt; always returns a list of n results."""
+        if self.hand_off_stragglers and sampling_params.n == 1 and rid is None:
+            return [await self._generate_movable(input_ids, sampling_params, return_logprob)]
         body = {
             "input_ids": input_ids,
             "sampling_params": sampling_params.model_dump(exclude_none=True),
@@ -144,19 +168,51 @@ class EngineClient:
         answer = await self._post_balanced("/generate", body)
         return answer if isinstance(answer, list) else [answer]
 
-    async def _post_balanced(self, path: str, body: dict):
+    async def _generate_movable(self, input_ids: list[int], params: SamplingParams, return_logprob: bool) -> dict:
+        """One sample that may be handed off mid-way: each hand-off is one more part."""
+        parts: list[dict] = []
+        generated = 0
+        while True:
+            rid = uuid.uuid4().hex
+            seed = _continued_seed(params.sampling_seed, generated)
+            part_params = params.model_copy(update={"max_new_tokens": params.max_new_tokens - generated, "sampling_seed": seed})
+            body = {
+                "input_ids": input_ids + [t for part in parts for t in part["output_ids"]],
+                "sampling_params": part_params.model_dump(exclude_none=True),
+                "return_logprob": return_logprob, "rid": rid,
+            }  # fmt: skip
+            try:
+                answer = await self._post_balanced("/generate", body, movable_rid=rid)
+                handed_off = rid in self._handing_off and answer["meta_info"]["finish_reason"]["type"] == "abort"
+            finally:
+                self._handing_off.discard(rid)
+            parts.append(answer)
+            generated += len(answer["output_ids"])
+            if not handed_off:
+                return _joined(parts)
+            if generated >= params.max_new_tokens:
+                answer["meta_info"]["finish_reason"] = {"type": "length", "length": generated}
+                return _joined(parts)
+
+    async def _post_balanced(self, path: str, body: dict, movable_rid: str | None = None):
         deadline = asyncio.get_running_loop().time() + self.retry_seconds
         delay = 0.05
         while True:
             endpoint = self._pick()
             if endpoint is not None:
                 endpoint.outstanding += 1
+                if movable_rid is not None:
+                    endpoint.movable[movable_rid] = None
                 try:
                     async with self.http.post(endpoint.url + path, json=body) as response:
                         payload = await response.read()
                     if response.status < 400:
-                        endpoint.completed += 1
-                        return json.loads(payload)
+                        answer = json.loads(payload)
+                        if movable_rid in self._handing_off and answer["meta_info"]["finish_reason"]["type"] == "abort":
+                            endpoint.handed_off += 1
+                        else:
+                            endpoint.completed += 1
+                        return answer
                     if response.status not in RETRYABLE_STATUS:
                         raise EngineRequestError(response.status, payload[:500].decode(errors="replace"))
                     self._mark_unhealthy(endpoint, f"HTTP {response.status}")
@@ -164,6 +220,9 @@ class EngineClient:
                     self._mark_unhealthy(endpoint, repr(err))
                 finally:
                     endpoint.outstanding -= 1
+                    endpoint.movable.pop(movable_rid, None)
+                    if endpoint.outstanding == 0:
+                        self._take_stragglers(endpoint)
             if asyncio.get_running_loop().time() + delay > deadline:
                 raise NoHealthyEngine(f"no engine answered {path} within {self.retry_seconds}s: {self.status()}")
             await asyncio.sleep(delay)
@@ -175,6 +234,33 @@ class EngineClient:
             return None
         fewest = min(e.outstanding for e in healthy)
         return random.choice([e for e in healthy if e.outstanding == fewest])
+
+    def _take_stragglers(self, idle: Endpoint) -> None:
+        """`idle` has none of this client's requests: move the newer half of the busiest engine's
+        movable ones to it (the newer ones are likelier still queued, with no work to lose)."""
+        if not self.hand_off_stragglers or not idle.healthy or idle.paused:
+            return
+        donors = [e for e in self.endpoints if e is not idle and e.healthy and not e.paused and len(e.movable) >= 2]
+        if not donors:
+            return
+        donor = max(donors, key=lambda e: len(e.movable))
+        moving = list(donor.movable)[len(donor.movable) // 2 :]
+        for rid in moving:
+            del donor.movable[rid]
+        self._handing_off.update(moving)
+        task = asyncio.get_running_loop().create_task(self._abort_for_hand_off(donor, moving))
+        self._hand_offs.add(task)
+        task.add_done_callback(self._hand_offs.discard)
+
+    async def _abort_for_hand_off(self, donor: Endpoint, rids: list[str]) -> None:
+        """Abort `rids` on `donor`; one that finished first, or an abort that fails, just ends
+        where it was (its answer is then a whole one, not a part)."""
+        answers = await asyncio.gather(
+            *(self._control(donor, "/abort_request", {"rid": rid}, timeout=5.0) for rid in rids), return_exceptions=True
+        )
+        for answer in answers:
+            if isinstance(answer, BaseException):
+                log.info("hand-off abort on %s failed: %r", donor.url, answer)
 
     def _mark_unhealthy(self, endpoint: Endpoint, reason: str) -> None:
         endpoint.failures += 1
@@ -198,6 +284,7 @@ class EngineClient:
                             continue
                     endpoint.weight_version = await self._weight_version(endpoint.url)
                     endpoint.healthy = True
+                    self._take_stragglers(endpoint)
                     log.info("engine %s back in rotation (weights %s)", endpoint.url, endpoint.weight_version)
             await asyncio.sleep(self.health_interval)
 
@@ -272,9 +359,34 @@ class EngineClient:
         )
 
     def status(self) -> list[dict]:
-        """Per engine: URL, in rotation or not, outstanding and completed requests, weight version."""
+        """Per engine: URL, in rotation or not, outstanding, completed and handed-off requests, weight version."""
         return [
             {"url": e.url, "healthy": e.healthy, "outstanding": e.outstanding, "completed": e.completed,
-             "failures": e.failures, "weight_version": e.weight_version}
+             "handed_off": e.handed_off, "failures": e.failures, "weight_version": e.weight_version}
             for e in self.endpoints
         ]  # fmt: skip
+
+
+def _continued_seed(seed: int | None, generated: int) -> int | None:
+    """The seed of a sample's part after `generated` tokens: the first part keeps the caller's,
+    a continuation gets one of its own, since replaying the seed's random stream from its start
+    would tie the continuation's draws to those that chose the tokens before it."""
+    if seed is None or generated == 0:
+        return seed
+    return random.Random(f"{seed}-{generated}").randrange(2**62)
+
+
+def _joined(parts: list[dict]) -> dict:
+    """One sample's parts as one answer: tokens, text and logprobs in order, the first part's
+    prompt size, the last part's finish reason, the lowest weight version that contributed."""
+    if len(parts) == 1:
+        return parts[0]
+    first, last = parts[0]["meta_info"], parts[-1]["meta_info"]
+    output_ids = [t for part in parts for t in part["output_ids"]]
+    meta = {**last, "id": first["id"], "prompt_tokens": first["prompt_tokens"], "completion_tokens": len(output_ids)}
+    if "output_token_logprobs" in last:
+        meta["output_token_logprobs"] = [entry for part in parts for entry in part["meta_info"]["output_token_logprobs"]]
+    versions = [part["meta_info"].get("weight_version") for part in parts]
+    numbered = [v for v in versions if isinstance(v, str) and v.isdigit()]
+    meta["weight_version"] = min(numbered, key=int) if numbered else versions[0]
+    return {**parts[-1], "output_ids": output_ids, "text": "".join(part.get("text", "") for part in parts), "meta_info": meta}
