@@ -209,17 +209,40 @@ def test_a_straggler_handed_off_mid_way_is_one_answer_with_the_models_logprobs(e
         assert served == pytest.approx(reference_logprobs(models["v0"], p, result["output_ids"]), abs=1e-4)
 
 
+def test_an_abort_the_client_did_not_send_ends_requests_and_hands_nothing_off(engines):
+    """The generation flow ends a run by aborting every engine's requests (its own client, not
+    the rollout workers'). Engine 0's aborts answer first; running dry, it must not take engine
+    1's requests, whose aborts are on their way: continued, they would run on past the end."""
+    async def scenario():
+        async with EngineClient(engines.urls, api_key=API_KEY, health_interval=60) as client:
+            for i in range(2):
+                httpx.post(engines.urls[i] + "/pause_generation", json={"mode": "in_place"}, headers=AUTH, timeout=10)
+            run = asyncio.gather(*(client.generate(prompt(i), params(48)) for i in range(24)))
+            assert await wait_for(lambda: [s["outstanding"] for s in client.status()] == [12, 12], 10, 0.005), client.status()
+            await client._control(client.endpoints[0], "/abort_request", {"abort_all": True})
+            assert await wait_for(lambda: client.status()[0]["outstanding"] == 0, 10, 0.005), client.status()
+            await asyncio.sleep(0.2)  # room for a hand-off to engine 0, if the client made one
+            await client._control(client.endpoints[1], "/abort_request", {"abort_all": True})
+            for i in range(2):
+                await client._control(client.endpoints[i], "/continue_generation", {})
+            return await run, client.status()
+
+    results, status = asyncio.run(scenario())
+    assert [r["meta_info"]["finish_reason"]["type"] for (r,) in results] == ["abort"] * 24
+    assert [s["handed_off"] for s in status] == [0, 0] and sum(s["completed"] for s in status) == 24, status
+
+
 def test_joined_parts_keep_the_order_and_the_lowest_weight_version():
     def part(ids: list[int], version: str, finish: str) -> dict:
-        meta = {"id": f"r{ids[0]}", "prompt_tokens": 3, "completion_tokens": len(ids), "weight_version": version,
+        meta = {"id": f"r{ids[0] if ids else ''}", "prompt_tokens": 2 + len(ids), "completion_tokens": len(ids), "weight_version": version,
                 "finish_reason": {"type": finish}, "output_token_logprobs": [[-0.5, t, None] for t in ids]}  # fmt: skip
         return {"output_ids": ids, "text": "".join(map(str, ids)), "meta_info": meta}
 
-    joined = _joined([part([1, 2], "7", "abort"), part([3], "6", "abort"), part([4, 5], "8", "stop")])
+    joined = _joined([part([1, 2], "7", "abort"), part([3], "6", "abort"), part([], "5", "abort"), part([4, 5], "8", "stop")], prompt_tokens=3)
     assert joined["output_ids"] == [1, 2, 3, 4, 5] and joined["text"] == "12345"
     meta = joined["meta_info"]
     assert [entry[1] for entry in meta["output_token_logprobs"]] == [1, 2, 3, 4, 5]
-    assert meta["weight_version"] == "6", "a sample is as old as its oldest token"
+    assert meta["weight_version"] == "6", "a sample is as old as its oldest token (a part with none has no say)"
     assert meta["finish_reason"] == {"type": "stop"} and meta["completion_tokens"] == 5
     assert meta["prompt_tokens"] == 3 and meta["id"] == "r1"
     assert _continued_seed(None, 5) is None and _continued_seed(11, 0) == 11

@@ -77,6 +77,27 @@ def test_lengths_are_long_tailed_and_tokens_valid(model_dirs):
         assert sample.logprobs and all(lp < 0 for lp in sample.logprobs)
 
 
+def test_an_abort_takes_only_its_request_and_leaves_the_queue_queued(model_dirs):
+    """The client's straggler hand-off aborts single requests: the rest of the engine's queue
+    must stay queued, first come first served, within max_batch_size."""
+    engine = SimEngine(model_dirs[0], SimLatencyConfig(decode_base_s=0.01, decode_s_per_seq=0.0), max_batch_size=2)
+    try:
+        jobs = [GenerationJob(rid=f"r{i}", input_ids=[1, 20, 21], params=SamplingParams(max_new_tokens=30, ignore_eos=True)) for i in range(5)]
+        for job in jobs:
+            engine.submit(job)
+        deadline = time.monotonic() + 10
+        while engine.stats()["num_running"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert engine.abort(rid="r3") == 1 and engine.abort(rid="r0") == 1
+        for job in jobs:
+            job.future.result(timeout=30)
+    finally:
+        engine.shutdown()
+    assert [j.samples[0].finish_reason["type"] for j in jobs] == ["abort", "length", "length", "abort", "length"]
+    assert jobs[3].samples[0].output_ids == [] and 0 < len(jobs[0].samples[0].output_ids) < 30
+    assert max(int(size) for size in engine.stats()["decode_batch_sizes"]) == 2, "never more than max_batch_size at once"
+
+
 def test_update_weights_takes_the_load_time_and_is_reported(model_dirs):
     engine = SimEngine(model_dirs[0], SimLatencyConfig(load_s_per_gb=500.0), weight_version="0")
     try:

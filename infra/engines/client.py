@@ -8,15 +8,18 @@ with backoff; a background probe of /health brings the engine back when it answe
 is the caller's mistake and is raised at once, never retried.
 
 Stragglers are handed off. A batch of long-tailed episodes ends with its most loaded engine:
-counts are balanced when requests are sent, lengths cannot be, and at 4 engines the last one
-finished about 13% after G1/N on the scaling benchmark's lengths (docs/benchmarks.md). So when
-an engine runs out of this client's requests while another still holds two or more, the client
+counts are balanced when requests are sent, lengths cannot be (on the scaling benchmark's
+lengths a synchronous batch over 4 engines took 4.16 s against G1/N = 3.75 s). So when an
+engine runs out of this client's requests while another still holds two or more, the client
 aborts the newer half of those (/abort_request by the rid it gave them), and each answers with
 the tokens it has so far, as SGLang's abort does; the client sends the rest of each sample
 (prompt + tokens so far, the remaining max_new_tokens) to the least loaded engine and joins the
-parts into one answer: tokens and behaviour logprobs in order, the lowest weight version that
-contributed (what the lag bound is checked against), the last part's finish reason. Only
+parts into one answer: tokens and behaviour logprobs in order, the lowest weight version of a
+part with tokens (what the lag bound is checked against), the last part's finish reason. Only
 single-sample requests the caller gave no rid are moved: a caller's rid is the caller's to abort.
+An abort the client did not send means someone is stopping the work (the generation flow at the
+end of a run aborts every engine's requests through its own client): it holds hand-offs until
+every request in flight has answered, or continuations would undo it.
 
 `update_weights` moves every engine to a new snapshot with SGLang's documented order (pause ->
 update_weights_from_disk -> continue), each engine under its own timeout, and reports which
@@ -62,6 +65,15 @@ class NoHealthyEngine(RuntimeError):
 
 
 @dataclass(eq=False)
+class _Movable:
+    """One single-sample request the client may hand off: the rid of its current attempt (a
+    retry is a new request, so it gets a new rid), and whether the client is aborting it to move it."""
+
+    rid: str = ""
+    handing_off: bool = False
+
+
+@dataclass(eq=False)
 class Endpoint:
     """One engine as the client sees it."""
 
@@ -73,8 +85,8 @@ class Endpoint:
     failures: int = 0
     handed_off: int = 0
     """Requests this client aborted here to finish them on an engine with room."""
-    movable: dict[str, None] = field(default_factory=dict)
-    """rids of this client's single-sample requests in flight here, oldest first."""
+    movable: dict[str, _Movable] = field(default_factory=dict)
+    """This client's single-sample requests in flight here by rid, oldest first."""
     paused: bool = False
     """This client sent /pause_generation and no /continue_generation has been answered since."""
 
@@ -118,8 +130,12 @@ class EngineClient:
         self.request_timeout = request_timeout
         self.health_interval = health_interval
         self.hand_off_stragglers = hand_off_stragglers
-        self._handing_off: set[str] = set()
-        """rids aborted by this client to move them: their abort answer is a part, not an end."""
+        self._handing_off: set[_Movable] = set()
+        """Requests aborted by this client to move them: their abort answer is a part, not an end."""
+        self._hand_off_held = False
+        """An abort this client did not send came back (the end of a run, a pause that aborts):
+        no hand-off until every request it has in flight has answered, or the abort it meant to
+        end the work would be undone by continuations."""
         self._hand_offs: set[asyncio.Task] = set()
         """Hand-off aborts in flight (held so that the event loop does not drop them)."""
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -172,46 +188,51 @@ class EngineClient:
         """One sample that may be handed off mid-way: each hand-off is one more part."""
         parts: list[dict] = []
         generated = 0
+        stop_ids = set(params.stop_token_ids or ())
         while True:
-            rid = uuid.uuid4().hex
             seed = _continued_seed(params.sampling_seed, generated)
             part_params = params.model_copy(update={"max_new_tokens": params.max_new_tokens - generated, "sampling_seed": seed})
             body = {
                 "input_ids": input_ids + [t for part in parts for t in part["output_ids"]],
                 "sampling_params": part_params.model_dump(exclude_none=True),
-                "return_logprob": return_logprob, "rid": rid,
-            }  # fmt: skip
+                "return_logprob": return_logprob,
+            }
+            movable = _Movable()
             try:
-                answer = await self._post_balanced("/generate", body, movable_rid=rid)
-                handed_off = rid in self._handing_off and answer["meta_info"]["finish_reason"]["type"] == "abort"
+                answer = await self._post_balanced("/generate", body, movable)
             finally:
-                self._handing_off.discard(rid)
+                self._handing_off.discard(movable)
             parts.append(answer)
             generated += len(answer["output_ids"])
-            if not handed_off:
-                return _joined(parts)
+            meta = answer["meta_info"]
+            if not (movable.handing_off and meta["finish_reason"]["type"] == "abort"):
+                return _joined(parts, len(input_ids))
+            # SGLang may finish the decode step it was in when the abort came: its token is
+            # kept, and a stop token there ends the sample, it is not one to continue from.
+            if answer["output_ids"] and answer["output_ids"][-1] in stop_ids:
+                meta["finish_reason"] = {"type": "stop", "matched": answer["output_ids"][-1]}
+                return _joined(parts, len(input_ids))
             if generated >= params.max_new_tokens:
-                answer["meta_info"]["finish_reason"] = {"type": "length", "length": generated}
-                return _joined(parts)
+                meta["finish_reason"] = {"type": "length", "length": generated}
+                return _joined(parts, len(input_ids))
 
-    async def _post_balanced(self, path: str, body: dict, movable_rid: str | None = None):
+    async def _post_balanced(self, path: str, body: dict, movable: _Movable | None = None):
         deadline = asyncio.get_running_loop().time() + self.retry_seconds
         delay = 0.05
         while True:
             endpoint = self._pick()
             if endpoint is not None:
                 endpoint.outstanding += 1
-                if movable_rid is not None:
-                    endpoint.movable[movable_rid] = None
+                if movable is not None:
+                    movable.rid, movable.handing_off = uuid.uuid4().hex, False
+                    body = {**body, "rid": movable.rid}
+                    endpoint.movable[movable.rid] = movable
                 try:
                     async with self.http.post(endpoint.url + path, json=body) as response:
                         payload = await response.read()
                     if response.status < 400:
                         answer = json.loads(payload)
-                        if movable_rid in self._handing_off and answer["meta_info"]["finish_reason"]["type"] == "abort":
-                            endpoint.handed_off += 1
-                        else:
-                            endpoint.completed += 1
+                        self._count_answer(endpoint, answer, movable)
                         return answer
                     if response.status not in RETRYABLE_STATUS:
                         raise EngineRequestError(response.status, payload[:500].decode(errors="replace"))
@@ -220,13 +241,30 @@ class EngineClient:
                     self._mark_unhealthy(endpoint, repr(err))
                 finally:
                     endpoint.outstanding -= 1
-                    endpoint.movable.pop(movable_rid, None)
-                    if endpoint.outstanding == 0:
+                    if movable is not None:
+                        endpoint.movable.pop(movable.rid, None)
+                    if all(e.outstanding == 0 for e in self.endpoints):
+                        self._hand_off_held = False
+                    elif endpoint.outstanding == 0:
                         self._take_stragglers(endpoint)
             if asyncio.get_running_loop().time() + delay > deadline:
                 raise NoHealthyEngine(f"no engine answered {path} within {self.retry_seconds}s: {self.status()}")
             await asyncio.sleep(delay)
             delay = min(delay * 2, 1.0)
+
+    def _count_answer(self, endpoint: Endpoint, answer: dict | list[dict], movable: _Movable | None) -> None:
+        """Count an answer as completed or handed off. An abort this client did not send holds
+        hand-offs and turns those under way into ends: someone is stopping the work."""
+        aborted = any(r["meta_info"]["finish_reason"]["type"] == "abort" for r in (answer if isinstance(answer, list) else [answer]))
+        if aborted and movable is not None and movable.handing_off:
+            endpoint.handed_off += 1
+            return
+        endpoint.completed += 1
+        if aborted:
+            self._hand_off_held = True
+            for moving in self._handing_off:
+                moving.handing_off = False
+            self._handing_off.clear()
 
     def _pick(self) -> Endpoint | None:
         healthy = [e for e in self.endpoints if e.healthy]
@@ -238,17 +276,18 @@ class EngineClient:
     def _take_stragglers(self, idle: Endpoint) -> None:
         """`idle` has none of this client's requests: move the newer half of the busiest engine's
         movable ones to it (the newer ones are likelier still queued, with no work to lose)."""
-        if not self.hand_off_stragglers or not idle.healthy or idle.paused:
+        if not self.hand_off_stragglers or self._hand_off_held or not idle.healthy or idle.paused or idle.outstanding:
             return
         donors = [e for e in self.endpoints if e is not idle and e.healthy and not e.paused and len(e.movable) >= 2]
         if not donors:
             return
         donor = max(donors, key=lambda e: len(e.movable))
-        moving = list(donor.movable)[len(donor.movable) // 2 :]
-        for rid in moving:
-            del donor.movable[rid]
+        moving = list(donor.movable.values())[len(donor.movable) // 2 :]
+        for request in moving:
+            del donor.movable[request.rid]
+            request.handing_off = True
         self._handing_off.update(moving)
-        task = asyncio.get_running_loop().create_task(self._abort_for_hand_off(donor, moving))
+        task = asyncio.get_running_loop().create_task(self._abort_for_hand_off(donor, [m.rid for m in moving]))
         self._hand_offs.add(task)
         task.add_done_callback(self._hand_offs.discard)
 
@@ -376,17 +415,18 @@ def _continued_seed(seed: int | None, generated: int) -> int | None:
     return random.Random(f"{seed}-{generated}").randrange(2**62)
 
 
-def _joined(parts: list[dict]) -> dict:
-    """One sample's parts as one answer: tokens, text and logprobs in order, the first part's
-    prompt size, the last part's finish reason, the lowest weight version that contributed."""
+def _joined(parts: list[dict], prompt_tokens: int) -> dict:
+    """One sample's parts as one answer: tokens, text and logprobs in order, the last part's
+    finish reason, the lowest weight version of a part with tokens. (SGLang's answer to an abort
+    carries fewer meta_info fields than a finished one's: the prompt's size is the caller's.)"""
     if len(parts) == 1:
         return parts[0]
-    first, last = parts[0]["meta_info"], parts[-1]["meta_info"]
+    last = parts[-1]["meta_info"]
     output_ids = [t for part in parts for t in part["output_ids"]]
-    meta = {**last, "id": first["id"], "prompt_tokens": first["prompt_tokens"], "completion_tokens": len(output_ids)}
+    meta = {**last, "id": parts[0]["meta_info"].get("id"), "prompt_tokens": prompt_tokens, "completion_tokens": len(output_ids)}
     if "output_token_logprobs" in last:
         meta["output_token_logprobs"] = [entry for part in parts for entry in part["meta_info"]["output_token_logprobs"]]
-    versions = [part["meta_info"].get("weight_version") for part in parts]
+    versions = [part["meta_info"].get("weight_version") for part in parts if part["output_ids"]] or [last.get("weight_version")]
     numbered = [v for v in versions if isinstance(v, str) and v.isdigit()]
     meta["weight_version"] = min(numbered, key=int) if numbered else versions[0]
     return {**parts[-1], "output_ids": output_ids, "text": "".join(part.get("text", "") for part in parts), "meta_info": meta}

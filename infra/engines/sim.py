@@ -13,9 +13,10 @@ cost almost no CPU while each takes the time a GPU would:
   ignore_eos); a sequence that ends before the cap ends with its request's first stop token,
   or the end-of-sequence token if it gave none. A continuation (the client's straggler
   hand-off sends prompt + tokens so far) draws a fresh length, capped at what is left: the
-  engine cannot tell its earlier output from a prompt. Against the remaining length a real
-  model would produce, that adds 0.5-1.3% to a batch's tokens at 4-2 engines (a Monte Carlo of
-  the benchmark's lengths), so the benchmark charges the hand-off slightly more than its cost;
+  engine cannot tell its earlier output from a prompt. A Monte Carlo of the benchmark's lengths
+  and hand-offs at 4 engines puts a batch at 1.024x G1/N that way against 1.019x with each
+  sample's true remaining length (1.021x and 1.018x at 3 engines), so the benchmark charges the
+  hand-off a little more than it costs, not less;
 - tokens are drawn uniformly from the tokenizer's non-special ids other than the request's stop
   tokens, with a logprob of log(1/V), so everything downstream (rollout, shards, the trainer's
   real optimizer step) sees valid data and lengths follow the model, not chance stop tokens;
@@ -64,6 +65,8 @@ class SimEngine(ScheduledEngine):
         self.token_ids = [t for t in range(self.vocab_size) if t not in special]
         self.logprob = -math.log(len(self.token_ids))
         self.running_samples: list[Sample] = []
+        self.backlog: list[GenerationJob] = []
+        """Jobs submitted and not yet running (the engine runs at most max_batch_size sequences)."""
         self.lengths: dict[int, int] = {}
         """id(sample) -> the length it will end at."""
         self.rngs: dict[int, random.Random] = {}
@@ -77,12 +80,16 @@ class SimEngine(ScheduledEngine):
 
     def abort(self, rid: str | None = None, abort_all: bool = False) -> int:
         def mark() -> int:
-            self._admit_waiting(limit=None)
-            hits = {s.job for s in self.running_samples if abort_all or s.job.rid == rid}
-            for job in hits:
+            self._drain_waiting()
+            queued = [job for job in self.backlog if abort_all or job.rid == rid]
+            self.backlog = [job for job in self.backlog if job not in queued]
+            for job in queued:
+                job.samples = [Sample(job, i, None) for i in range(job.params.n)]
+            running = {s.job for s in self.running_samples if abort_all or s.job.rid == rid}
+            for job in running | set(queued):
                 job.aborted = True
-            self._finish({s for s in self.running_samples if s.job.aborted}, {"type": "abort"})
-            return len(hits)
+            self._finish({s for job in queued for s in job.samples} | {s for s in self.running_samples if s.job.aborted}, {"type": "abort"})
+            return len(running) + len(queued)
 
         return self.run_command(mark).result()
 
@@ -105,7 +112,7 @@ class SimEngine(ScheduledEngine):
     def stats(self) -> dict:
         return {
             "weight_version": self.weight_version, "max_batch_size": self.max_batch_size, "paused": self.paused,
-            "num_running": len(self.running_samples), "num_waiting": self.waiting.qsize(),
+            "num_running": len(self.running_samples), "num_waiting": len(self.backlog) + self.waiting.qsize(),
             "tokens_generated": self.tokens_generated, "busy_seconds": round(self.busy_seconds, 3),
             "decode_batch_sizes": {str(k): v for k, v in sorted(self.batch_sizes.items())},
             "latency_model": self.latency.model_dump(),
@@ -114,10 +121,10 @@ class SimEngine(ScheduledEngine):
     # -- the scheduler thread's steps -------------------------------------------------------
 
     def _collect_work(self) -> bool:
-        return bool(self.running_samples) or not self.waiting.empty()
+        return bool(self.running_samples or self.backlog) or not self.waiting.empty()
 
     def _step(self) -> None:
-        prefill_tokens = self._admit_waiting(limit=self.max_batch_size)
+        prefill_tokens = self._admit_waiting()
         if self.running_samples:
             self._decode_step(prefill_tokens)
 
@@ -127,12 +134,19 @@ class SimEngine(ScheduledEngine):
                 job.future.set_exception(err)
         self.running_samples, self.lengths, self.rngs = [], {}, {}
 
-    def _admit_waiting(self, limit: int | None) -> int:
-        """Move waiting jobs' samples into the running set (up to `limit` sequences); returns the
-        prompt tokens admitted, which this step pays prefill for."""
+    def _drain_waiting(self) -> None:
+        """Move submitted jobs into the backlog, in order (where an abort can find them)."""
+        while not self.waiting.empty():
+            self.backlog.append(self.waiting.get())
+
+    def _admit_waiting(self) -> int:
+        """Move backlog jobs' samples into the running set, first come first served, up to
+        max_batch_size sequences; returns the prompt tokens admitted, which this step pays
+        prefill for."""
+        self._drain_waiting()
         prefill = 0
-        while not self.waiting.empty() and (limit is None or len(self.running_samples) < limit):
-            job = self.waiting.get()
+        while self.backlog and len(self.running_samples) < self.max_batch_size:
+            job = self.backlog.pop(0)
             job.samples = [Sample(job, i, None) for i in range(job.params.n)]
             room = self.context_length - len(job.input_ids)
             cap = max(0, min(job.params.max_new_tokens, room))
