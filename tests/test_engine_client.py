@@ -23,7 +23,7 @@ import uvicorn
 
 from configs.schema import ModelConfig
 from infra.engines.api import SamplingParams
-from infra.engines.client import KEEPALIVE_SECONDS, EngineClient, EngineRequestError, _continued_seed, _joined
+from infra.engines.client import KEEPALIVE_SECONDS, EngineClient, EngineRequestError, _continued_seed, _handed_off_finish, _joined
 from infra.engines.process import EngineProcess, cpu_engine_process
 from infra.modelfactory import save_tiny_model
 from infra.ports import free_port_block
@@ -247,6 +247,15 @@ def test_joined_parts_keep_the_order_and_the_lowest_weight_version():
     assert meta["prompt_tokens"] == 3 and meta["id"] == "r1"
     assert _continued_seed(None, 5) is None and _continued_seed(11, 0) == 11
     assert _continued_seed(11, 5) == _continued_seed(11, 5) != _continued_seed(11, 6) != 11
+
+
+def test_a_handed_off_part_that_ended_in_a_stop_token_or_at_the_limit_is_not_continued():
+    """SGLang keeps the token of the decode step an abort lands in; the CPU engine aborts between
+    steps, so this case is checked on the decision alone."""
+    assert _handed_off_finish([7, 8, 2], {2, 5}, generated=3, max_new_tokens=16) == {"type": "stop", "matched": 2}
+    assert _handed_off_finish([7, 8], {2, 5}, generated=16, max_new_tokens=16) == {"type": "length", "length": 16}
+    assert _handed_off_finish([7, 8], {2, 5}, generated=2, max_new_tokens=16) is None
+    assert _handed_off_finish([], {2, 5}, generated=0, max_new_tokens=16) is None, "aborted while queued: goes on"
 
 
 def test_update_weights_loads_refuses_corrupt_snapshots_and_survives_a_hung_engine(engines, models):

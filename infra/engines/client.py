@@ -204,16 +204,11 @@ class EngineClient:
                 self._handing_off.discard(movable)
             parts.append(answer)
             generated += len(answer["output_ids"])
-            meta = answer["meta_info"]
-            if not (movable.handing_off and meta["finish_reason"]["type"] == "abort"):
+            if not (movable.handing_off and answer["meta_info"]["finish_reason"]["type"] == "abort"):
                 return _joined(parts, len(input_ids))
-            # SGLang may finish the decode step it was in when the abort came: its token is
-            # kept, and a stop token there ends the sample, it is not one to continue from.
-            if answer["output_ids"] and answer["output_ids"][-1] in stop_ids:
-                meta["finish_reason"] = {"type": "stop", "matched": answer["output_ids"][-1]}
-                return _joined(parts, len(input_ids))
-            if generated >= params.max_new_tokens:
-                meta["finish_reason"] = {"type": "length", "length": generated}
+            finish = _handed_off_finish(answer["output_ids"], stop_ids, generated, params.max_new_tokens)
+            if finish is not None:
+                answer["meta_info"]["finish_reason"] = finish
                 return _joined(parts, len(input_ids))
 
     async def _post_balanced(self, path: str, body: dict, movable: _Movable | None = None):
@@ -413,6 +408,19 @@ def _continued_seed(seed: int | None, generated: int) -> int | None:
     if seed is None or generated == 0:
         return seed
     return random.Random(f"{seed}-{generated}").randrange(2**62)
+
+
+def _handed_off_finish(tokens: list[int], stop_ids: set[int], generated: int, max_new_tokens: int) -> dict | None:
+    """How a sample ends whose part was aborted to move it, or None: it goes on elsewhere.
+
+    SGLang may finish the decode step it was in when the abort came, and keeps that step's
+    token: a stop token there ends the sample (it is not one to continue from), as does
+    reaching max_new_tokens."""
+    if tokens and tokens[-1] in stop_ids:
+        return {"type": "stop", "matched": tokens[-1]}
+    if generated >= max_new_tokens:
+        return {"type": "length", "length": generated}
+    return None
 
 
 def _joined(parts: list[dict], prompt_tokens: int) -> dict:
