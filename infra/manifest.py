@@ -148,7 +148,8 @@ def read_manifest(store: RunStore, prefix: str) -> dict[str, Any]:
 def fetch_directory(store: RunStore, prefix: str, local_dir: Path) -> dict[str, Any]:
     """Download the committed directory at `prefix` into `local_dir`, verified; return its manifest.
 
-    A `local_dir` that already holds the same manifest and verifies is reused as it is."""
+    A `local_dir` that already holds the same manifest and verifies is reused as it is. Its
+    files are for reading: on file:// they may be hard links to the store's (`RunStore.download`)."""
     local_dir = Path(local_dir)
     data = _read_manifest_bytes(store, prefix)
     manifest = parse_manifest(data)
@@ -167,7 +168,7 @@ def fetch_directory(store: RunStore, prefix: str, local_dir: Path) -> dict[str, 
                 remote_size = store.size(key)
                 if remote_size != entry["size"]:
                     raise ManifestError(f"{name}: size {remote_size}, manifest says {entry['size']}")
-                store.download(key, staging / name)
+                store.download(key, staging / name, share=True)
             except FileNotFoundError as err:
                 raise ManifestError(f"{name}: listed in the manifest but missing") from err
             _verify_file(staging / name, name, entry)

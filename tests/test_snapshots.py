@@ -7,6 +7,7 @@ before anything else; a manifest cannot make a reader write outside its director
 from __future__ import annotations
 
 import json
+import tempfile
 import threading
 from pathlib import Path
 
@@ -92,17 +93,45 @@ def test_publishing_on_file_links_the_staged_files_and_leaves_no_staging(file_st
     monkeypatch.setattr(file_store.fs, "put_file", no_copy)
     publish_snapshot(file_store, model, tokenizer, version=0)
     assert not any(file_store.staging_dir().iterdir())
+    assert (file_store.local_path(snapshot_prefix(0)) / "model.safetensors").stat().st_nlink == 1, "no staging link left"
     local = load_snapshot(file_store, tmp_path / "cache", 0)
     assert verify_local_dir(local)["extra"] == {"version": 0}
-    assert (file_store.local_path(snapshot_prefix(0)) / "model.safetensors").stat().st_nlink == 1
+
+
+def test_a_fetch_on_file_links_the_committed_files_and_keeps_them_when_the_store_drops_them(
+    file_store, tmp_path, model, tokenizer
+) -> None:
+    """On one filesystem a generator's fetch links the snapshot's files instead of copying them
+    (a second copy of every version's bytes on the same disk); the fetched directory still
+    verifies after retention deletes that version from the store."""
+    publish_snapshot(file_store, model, tokenizer, version=1)
+    publish_snapshot(file_store, model, tokenizer, version=2)
+    local = load_snapshot(file_store, tmp_path / "cache", 1)
+    stored = file_store.local_path(snapshot_prefix(1)) / "model.safetensors"
+    assert (local / "model.safetensors").stat().st_ino == stored.stat().st_ino
+    assert apply_retention(file_store, keep_last=1, keep_every=1000) == [1]
+    assert not stored.exists() and verify_local_dir(local)["extra"] == {"version": 1}
+
+
+def test_a_fetch_across_filesystems_copies(file_store, model, tokenizer) -> None:
+    """Where a link cannot be made (the cache on another filesystem) the files are copied."""
+    publish_snapshot(file_store, model, tokenizer, version=0)
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or shm.stat().st_dev == file_store.local_path(snapshot_prefix(0)).stat().st_dev:
+        pytest.skip("needs /dev/shm on a filesystem of its own")
+    with tempfile.TemporaryDirectory(dir=shm) as cache:
+        local = load_snapshot(file_store, Path(cache), 0)
+        assert (local / "model.safetensors").stat().st_nlink == 1 and verify_local_dir(local)["extra"] == {"version": 0}
 
 
 def test_flipped_byte_is_detected_and_named(store, tmp_path, model, tokenizer) -> None:
     publish_snapshot(store, model, tokenizer, version=1)
     cached = load_snapshot(store, tmp_path / "cache", version=1)
-    # A corrupted local copy is not reused: the next load fetches a fresh, verified one.
+    # A corrupted local copy is not reused: the next load fetches a fresh, verified one. (Written
+    # as a new file: on file:// the fetched one is a link to the store's, as it is for reading.)
     data = bytearray((cached / "model.safetensors").read_bytes())
     data[-1] ^= 0xFF
+    (cached / "model.safetensors").unlink()
     (cached / "model.safetensors").write_bytes(bytes(data))
     with pytest.raises(ManifestError, match="model.safetensors: sha256"):
         verify_local_dir(cached)
