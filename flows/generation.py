@@ -9,8 +9,10 @@ generators, each holds at most an equal share of that bound in flight, so that o
 running run finds slots to claim.
 
 Between chunks the flow restarts dead engines on the current snapshot, loads newer snapshots
-(pause -> load -> continue) and publishes how many groups it has in flight on each policy
-version, which the trainer reads so that it trains the oldest of them before they go stale.
+(pause, then load -> continue while the chunks the new version admits start: their requests
+wait in the paused engines, and their start overlaps the load instead of following it) and
+publishes how many groups it has in flight on each policy version, which the trainer reads so
+that it trains the oldest of them before they go stale.
 It stops when the trainer's published state says done, and then aborts the engines' requests:
 the groups in flight would never be trained. Asked to retire (a scale-down), it claims nothing
 more and finishes the chunks it has in flight, so that every slot it claimed is committed.
@@ -125,30 +127,40 @@ def _generate(config: RunConfig, producer: str, cache: Path) -> dict:
         producers = _ProducerCount(store, producer)
         load = _LoadReport(metrics)
         reported = _InFlightReport(store, producer)
-        while not read_trainer_state(store).done and not (retiring.due() and not generator.orphans):
-            if fleet.restart_dead():
-                totals["engine_restarts"] = fleet.restarts
-                metrics.log("engines_restarted", version=fleet.version, engines=fleet.describe(), restarts=fleet.restarts)
-            try:
-                if generator.refresh_weights():
-                    totals["weight_updates"] += 1
-                    metrics.log("weights_loaded", version=fleet.version)
-            except SnapshotRejected as rejected:
-                print(f"{producer}: {rejected}; the engines stay on v{fleet.version}")
-                metrics.log("snapshot_rejected", version=rejected.version, reason=rejected.reason[:500])
-            for chunk in [c for c in in_flight if c.future.wrapped_future.done()]:
-                in_flight.remove(chunk)
-                _record(metrics, totals, chunk.future.result(), fleet.version)
+
+        def start_chunk() -> bool:
+            """Submit one chunk of what admission allows now; False if it allows nothing."""
             held = sum(chunk.groups for chunk in in_flight)
             specs = generator.claim_specs(config.generation.prompts_per_chunk, held, producers.count(), new_claims=not retiring.due())
             if specs:
                 in_flight.append(_Chunk(dask.submit(generate_chunk, {"specs": specs}), specs[0].loaded_version, len(specs)))
+            return bool(specs)
+
+        def start_chunks() -> None:
+            while start_chunk():
+                pass
+
+        while not read_trainer_state(store).done and not (retiring.due() and not generator.orphans):
+            if fleet.restart_dead():
+                totals["engine_restarts"] = fleet.restarts
+                metrics.log("engines_restarted", version=fleet.version, engines=fleet.describe(), restarts=fleet.restarts)
+            for chunk in [c for c in in_flight if c.future.wrapped_future.done()]:
+                in_flight.remove(chunk)
+                _record(metrics, totals, chunk.future.result(), fleet.version)
+            try:
+                if timings := generator.refresh_weights(while_loading=start_chunks):
+                    totals["weight_updates"] += 1
+                    metrics.log("weights_loaded", version=fleet.version, **timings)
+            except SnapshotRejected as rejected:
+                print(f"{producer}: {rejected}; the engines stay on v{fleet.version}")
+                metrics.log("snapshot_rejected", version=rejected.version, reason=rejected.reason[:500])
+            started = start_chunk()
             reported.maybe_publish(in_flight)
-            if not specs and not in_flight:
+            if not started and not in_flight:
                 idle_started = time.monotonic()
                 time.sleep(POLL_SECONDS)
                 idle_seconds += time.monotonic() - idle_started
-            elif not specs:
+            elif not started:
                 _wait_for_first([c.future for c in in_flight], POLL_SECONDS)
             load.maybe_log(idle_seconds, len(in_flight))
         if in_flight and read_trainer_state(store).done:

@@ -22,6 +22,8 @@ import asyncio
 import logging
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -198,6 +200,9 @@ class Generator:
         committed = committed_slots(self.store)
         self.committed_at_start = {slot: key for slot, key in committed.items() if parse_shard_key(key).producer == producer}
         """Slot -> key of every group this producer committed before this start (an earlier life's)."""
+        self._loading_version: int | None = None
+        """The version the engines are paused to load, while `refresh_weights` runs its caller's
+        `while_loading`; None otherwise."""
         self.rejected_snapshots: set[int] = set()
         """Versions whose snapshot failed verification: never tried again."""
         self.orphans = self.claims.claimed_by_me(exclude=set(committed))
@@ -207,10 +212,25 @@ class Generator:
 
     @property
     def loaded_version(self) -> int:
-        return self.fleet.version
+        """The weights that work started now runs on: the fleet's, or, while the engines are
+        paused for a load, the version being loaded (nothing runs before the load ends)."""
+        return self.fleet.version if self._loading_version is None else self._loading_version
 
-    def refresh_weights(self) -> bool:
-        """Load the newest committed snapshot into the engines if it is newer; True if it was.
+    def refresh_weights(self, while_loading: Callable[[], object] | None = None) -> dict[str, float] | None:
+        """Load the newest committed snapshot into the engines if it is newer; None if there
+        was none, else where the time went: `fetch_seconds` (download and verify),
+        `pause_seconds` (every engine confirming a pause), `load_seconds` (from then until every
+        engine has loaded and continued) and `start_seconds` (`while_loading`, during the load).
+
+        `while_loading` (the flow's "start what admission allows") runs once every engine has
+        confirmed a pause, beside the load (a thread), with `loaded_version` already the new
+        version: the work it sends waits in the engines' queues and runs on the new weights
+        from its first token, and its start (a Prefect task run, Dask, the groups' set-up:
+        0.1-0.25 s) overlaps the load instead of following it. In a synchronous run that start
+        was on every step's critical path; with work in flight the pause is no longer than
+        before. If any engine did not confirm the pause, work could start there on the old
+        weights under the new version's name, so `while_loading` is not called and the caller
+        starts its work after the load.
 
         A snapshot that fails verification (damaged after its commit: a file truncated or
         changed) raises `SnapshotRejected` once and is skipped from then on. The engines keep
@@ -219,18 +239,33 @@ class Generator:
         would take the whole generation side down for one bad object."""
         newest = latest_version(self.store)
         if newest is None or newest <= self.fleet.version or newest in self.rejected_snapshots:
-            return False
+            return None
+        began = time.monotonic()
         pin_snapshot(self.store, self.producer, newest)
         try:
             local = load_snapshot(self.store, self.cache_dir / "weights", newest)
         except ManifestError as err:
             self.rejected_snapshots.add(newest)
             raise SnapshotRejected(newest, str(err)) from err
-        results = self.fleet.update_weights(local, newest)
+        fetched = time.monotonic()
+        paused = while_loading is not None and self.fleet.pause()
+        loading = time.monotonic()
+        starting = loading
+        with ThreadPoolExecutor(1, thread_name_prefix="tandem-weight-load") as pool:
+            load = pool.submit(lambda: (self.fleet.update_weights(local, newest), time.monotonic()))  # pauses again, loads, continues
+            if paused:
+                self._loading_version = newest
+                try:
+                    while_loading()
+                finally:  # leaving the pool waits for the load, so the engines are continued also after an error
+                    self._loading_version = None
+                    starting = time.monotonic()
+            results, loaded = load.result()
         failed = [r for r in results if not r.ok]
         if failed:
             log.warning("engines failed to load v%d: %s", newest, [(r.url, r.message) for r in failed])
-        return True
+        return {"fetch_seconds": fetched - began, "pause_seconds": loading - fetched,
+                "load_seconds": loaded - loading, "start_seconds": starting - loading}  # fmt: skip
 
     def claim_specs(self, most: int, held: int = 0, producers: int = 1, new_claims: bool = True) -> list[GroupSpec]:
         """Up to `most` slots to generate: this producer's orphans first, then (unless

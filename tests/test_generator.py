@@ -1,5 +1,6 @@
 """A group's fate when training ends under it: generate_group against a real (simulated) engine;
-and how two generators share the slots the lag bound admits.
+how two generators share the slots the lag bound admits; and work started while the engines
+load newer weights, which must wait for them without holding the load up.
 
 A finished run aborts its engines' requests instead of waiting for groups nobody will train;
 those groups must not be committed half-played, and a group that starts after the end must not
@@ -12,6 +13,7 @@ import threading
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from configs import TINY_CONFIG, load_config
@@ -21,9 +23,11 @@ from tasks.generator import Generator, generate_group, snapshot_dir_for_engines
 from tasks.lag import TrainerState, admission_capacity, publish_trainer_state
 from tasks.rundir import initialize_run
 from tasks.shards import list_shards
+from tasks.snapshots import publish_snapshot_dir
 
-SLOW_SIM = '{"decode_base_s": 0.05, "decode_s_per_seq": 0.0, "length_median": 30, "length_sigma": 0.1, "load_s_per_gb": 0}'
-"""About 30 decode steps of 50 ms: a group plays for ~1.5 s, long enough to abort it mid-way."""
+SLOW_SIM = '{"decode_base_s": 0.05, "decode_s_per_seq": 0.0, "length_median": 30, "length_sigma": 0.1, "load_s_per_gb": 500}'
+"""About 30 decode steps of 50 ms: a group plays for ~1.5 s, long enough to abort it mid-way;
+a weight load of the tiny model (2 MB) takes ~1 s, long enough to start work during it."""
 
 
 @pytest.fixture
@@ -78,3 +82,56 @@ def test_a_generator_takes_its_share_of_the_window_and_leaves_the_rest_to_the_ot
     second = gen1.claim_specs(most=window, producers=2)
     assert {s.slot for s in first} | {s.slot for s in second} == set(range(window))
     assert gen0.claim_specs(most=window, held=0, producers=2) == [], "the window is full"
+
+
+def _publish_v1(gen: Generator, store) -> None:
+    """The trainer's step 1: snapshot v1 committed (the v0 weights again) and its state at 1."""
+    publish_snapshot_dir(store, gen.fleet.model_dir, 1)
+    publish_trainer_state(store, TrainerState(version=1))
+
+
+def test_work_started_during_a_load_waits_in_the_paused_engines_and_runs_on_the_new_weights(generator):
+    gen, store = generator
+    gen.claim_specs(most=10**6)  # everything version 0 admits: what is left needs version 1
+    _publish_v1(gen, store)
+    seen, results = {}, []
+
+    def start_work() -> None:
+        seen["paused"] = httpx.get(gen.fleet.urls[0] + "/server_info", timeout=10).json()["paused"]
+        seen["specs"] = gen.claim_specs(most=1)
+        seen["group"] = threading.Thread(target=lambda: results.append(generate_group(seen["specs"][0])))
+        seen["group"].start()
+        time.sleep(0.3)  # the group's requests reach the engine, ~0.7 s before the load ends
+
+    timings = gen.refresh_weights(while_loading=start_work)
+    assert timings is not None and timings["load_seconds"] > 0.5
+    assert seen["paused"] is True, "work was started before the engines were paused"
+    assert [s.loaded_version for s in seen["specs"]] == [1], "work started during the load names the new version"
+    seen["group"].join(timeout=30)
+    assert results[0] is not None and results[0].policy_version == 1
+    assert gen.loaded_version == 1 and gen.fleet.version == 1
+
+
+def test_the_load_runs_while_the_work_that_needs_it_starts(generator):
+    """A start slower than the load (a Prefect task run can be) must not add to it."""
+    gen, store = generator
+    _publish_v1(gen, store)
+    versions = []
+
+    def slow_start() -> None:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and "1" not in versions:
+            versions.append(httpx.get(gen.fleet.urls[0] + "/server_info", timeout=10).json()["weight_version"])
+            time.sleep(0.1)
+
+    gen.refresh_weights(while_loading=slow_start)
+    assert versions[0] == "0" and versions[-1] == "1", "the engine loaded the new weights only after the start"
+
+
+def test_no_work_starts_during_a_load_that_an_engine_did_not_pause_for(generator):
+    gen, store = generator
+    _publish_v1(gen, store)
+    gen.fleet.processes[0].stop()  # it cannot confirm a pause, so it could serve old weights
+    started = []
+    assert gen.refresh_weights(while_loading=lambda: started.append(gen.loaded_version))
+    assert started == []

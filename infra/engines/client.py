@@ -5,7 +5,9 @@ with long-tailed agentic episodes, round-robin piles requests behind one slow en
 least-outstanding keeps every engine's batch equally full. A request that fails on a connection
 error, timeout or 5xx marks its engine unhealthy (out of rotation) and is retried on another one
 with backoff; a background probe of /health brings the engine back when it answers again. A 4xx
-is the caller's mistake and is raised at once, never retried.
+is the caller's mistake and is raised at once, never retried. `retry_seconds` bounds the backoff
+a request waits through, not the attempts themselves (`request_timeout` bounds each): a request
+that hung on an engine until its timeout still goes to the engines that answer.
 
 Stragglers are handed off. A batch of long-tailed episodes ends with its most loaded engine:
 counts are balanced when requests are sent, lengths cannot be (on the scaling benchmark's
@@ -212,8 +214,7 @@ class EngineClient:
                 return _joined(parts, len(input_ids))
 
     async def _post_balanced(self, path: str, body: dict, movable: _Movable | None = None):
-        deadline = asyncio.get_running_loop().time() + self.retry_seconds
-        delay = 0.05
+        waited, delay = 0.0, 0.05
         while True:
             endpoint = self._pick()
             if endpoint is not None:
@@ -242,9 +243,10 @@ class EngineClient:
                         self._hand_off_held = False
                     elif endpoint.outstanding == 0:
                         self._take_stragglers(endpoint)
-            if asyncio.get_running_loop().time() + delay > deadline:
-                raise NoHealthyEngine(f"no engine answered {path} within {self.retry_seconds}s: {self.status()}")
+            if waited + delay > self.retry_seconds:
+                raise NoHealthyEngine(f"no engine answered {path} in {self.retry_seconds}s of retries: {self.status()}")
             await asyncio.sleep(delay)
+            waited += delay
             delay = min(delay * 2, 1.0)
 
     def _count_answer(self, endpoint: Endpoint, answer: dict | list[dict], movable: _Movable | None) -> None:
@@ -352,6 +354,16 @@ class EngineClient:
             return await self._update_one(endpoint, model_path, weight_version, timeout, pause_mode)
 
         return list(await asyncio.gather(*(one(e) for e in self.endpoints)))
+
+    async def pause(self, mode: str = "in_place", timeout: float = 10.0) -> bool:
+        """Pause every engine: a request sent from now on waits in its queue until the engine is
+        continued (SGLang's tokenizer manager holds it before tokenizing; tandem's engines queue
+        it). True only if every engine confirmed, within `timeout` s."""
+        answers = await asyncio.gather(
+            *(self._control(e, "/pause_generation", {"mode": mode}, timeout=timeout) for e in self.endpoints),
+            return_exceptions=True,
+        )
+        return not any(isinstance(answer, BaseException) for answer in answers)
 
     async def _update_one(
         self, endpoint: Endpoint, model_path: str, weight_version: str, timeout: float, pause_mode: str

@@ -5,7 +5,9 @@
 (preempted, OOM-killed, SIGKILLed) is started again on the snapshot the fleet is on, so it comes
 back with the same weights as its siblings; meanwhile the rollout clients have already moved its
 requests to the live engines. `update_weights` moves every live engine with the client's
-pause -> load -> continue and records the version the fleet is on.
+pause -> load -> continue and records the version the fleet is on; a `pause` first lets a
+generator send the work that needs the new weights while they load: it waits in the engines'
+queues and runs on them from its first token (tasks/generator.py).
 """
 
 from __future__ import annotations
@@ -75,8 +77,18 @@ class EngineFleet:
                 restarted.append(process.url)
         return restarted
 
+    def pause(self, timeout: float = 10.0) -> bool:
+        """Pause every engine, so that work sent to it waits until `update_weights` continues
+        it; True if every engine confirmed. (update_weights pauses again: a pause is idempotent.)"""
+
+        async def pause() -> bool:
+            async with EngineClient(self.urls, api_key=self.api_key) as client:
+                return await client.pause(timeout=timeout)
+
+        return asyncio.run(pause())
+
     def update_weights(self, model_dir: Path, version: int, timeout: float = 120.0) -> list[WeightSyncResult]:
-        """Load snapshot `version` (a verified local directory) into every engine."""
+        """Pause, load snapshot `version` (a verified local directory) and continue every engine."""
 
         async def sync() -> list[WeightSyncResult]:
             async with EngineClient(self.urls, api_key=self.api_key, retry_seconds=timeout) as client:
