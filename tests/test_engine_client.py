@@ -176,12 +176,36 @@ def test_least_outstanding_balances_equal_requests(engines):
     assert generated == [16 * c for c in completed], (generated, completed)
 
 
+def test_a_request_that_timed_out_on_a_hung_engine_is_answered_by_another(engines):
+    """Engine 0 is SIGSTOPped: the requests sent to it hang until the client's request timeout
+    (2 s), longer than its whole retry budget (1 s). Each must then be answered by engine 1: the
+    budget bounds the backoff between attempts, not the attempts. (No hand-off, which would also
+    move them, as an abort to the hung engine.)"""
+
+    async def scenario():
+        async with EngineClient(engines.urls, api_key=API_KEY, request_timeout=2.0, retry_seconds=1.0, health_interval=60,
+                                hand_off_stragglers=False) as client:  # fmt: skip
+            hung = engines.processes[0]
+            os.killpg(hung.pid, signal.SIGSTOP)
+            try:
+                results = await generate_many(client, 8, max_new_tokens=4, concurrency=8)
+            finally:
+                os.killpg(hung.pid, signal.SIGCONT)
+            return results, client.status()
+
+    results, status = asyncio.run(scenario())
+    assert [len(r["output_ids"]) for r in results] == [4] * 8
+    assert status[0]["failures"] >= 1 and status[0]["completed"] == 0 and status[1]["completed"] == 8, status
+
+
 def test_a_straggler_handed_off_mid_way_is_one_answer_with_the_models_logprobs(engines, models):
     """Engine 1 out of rotation, 24 requests go to engine 0, which is paused once they are a few
-    tokens in. Engine 1 rejoins and answers one short request; running dry, it takes the newer
-    half of engine 0's requests with their tokens so far. Every answer must be one sample: 48
-    tokens, each logprob the model's for that token after the prompt and the tokens before it,
-    whichever engine produced it (so a continuation was given the tokens before it)."""
+    tokens in. Engine 1 rejoins and answers one short request; each time it runs dry it takes the
+    newer half of engine 0's requests with their tokens so far (a continuation may land back on
+    paused engine 0, to be taken again), until engine 0 holds one request, which it cannot halve.
+    Every answer must be one sample: 48 tokens, each logprob the model's for that token after the
+    prompt and the tokens before it, whichever engine produced it (so a continuation was given the
+    tokens before it)."""
     prompts = [prompt(i) for i in range(24)]
 
     async def scenario():
@@ -193,13 +217,20 @@ def test_a_straggler_handed_off_mid_way_is_one_answer_with_the_models_logprobs(e
             await client._control(client.endpoints[0], "/pause_generation", {"mode": "in_place"})
             client.endpoints[1].healthy = True
             await client.generate(PROMPT, params(1))
-            assert await wait_for(lambda: client.status()[0]["handed_off"] == 12, timeout=10), client.status()
+
+            def settled() -> bool:  # engine 0 holds one request; the others are answered
+                status = client.status()
+                return [s["outstanding"] for s in status] == [1, 0] and sum(s["completed"] for s in status) == 24
+
+            assert await wait_for(settled, timeout=30), client.status()
             await client._control(client.endpoints[0], "/continue_generation", {})
             return await run, client.status()
 
     results, status = asyncio.run(scenario())
-    # Resumed, engine 0 may run dry first or hand off again: every request ends once either way.
-    assert status[0]["handed_off"] >= 12 and status[0]["completed"] + status[1]["completed"] == 25, status
+    # Engine 1 answered the short request and the ones handed to it (one may have ended on engine
+    # 0 before the pause landed); engine 0 was never idle while engine 1 had work to hand off.
+    assert status[0]["handed_off"] >= status[1]["completed"] - 1 >= 12, status
+    assert sum(s["completed"] for s in status) == 25 and status[1]["handed_off"] == 0, status
     for p, (result,) in zip(prompts, results):
         meta = result["meta_info"]
         assert meta["finish_reason"]["type"] == "length" and meta["completion_tokens"] == len(result["output_ids"]) == 48
