@@ -20,7 +20,6 @@ import asyncio
 import json
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -35,6 +34,7 @@ from configs import TINY_CONFIG, load_config  # noqa: E402
 from flows.cli import run_command  # noqa: E402
 from infra.engines.cpu import CpuEngine  # noqa: E402
 from infra.engines.scheduler import GenerationJob  # noqa: E402
+from infra.scratch import scratch_dir  # noqa: E402
 from infra.modelfactory import load_model, load_tokenizer, prepare_initial_model  # noqa: E402
 from tasks.envs import load_environment  # noqa: E402
 from tasks.loss import group_advantages  # noqa: E402
@@ -62,12 +62,11 @@ class InProcessClient:
         ]  # fmt: skip
 
 
-def bare_loop(overrides: list[str]) -> dict:
+def bare_loop(overrides: list[str], work: Path) -> dict:
     """The reference: warm-start, then sample -> advantages -> one step, in one plain loop."""
     from infra.engines.api import SamplingParams
 
     config = load_config(TINY_CONFIG, overrides)
-    work = Path(tempfile.mkdtemp(prefix="tandem-bare-"))
     path = prepare_initial_model(config.model, work / "initial", config.seed)
     model, tokenizer = load_model(path), load_tokenizer(path)
     warm_start(model, tokenizer, config)
@@ -145,18 +144,17 @@ def main() -> None:
     if not args.quick:
         runs = [("lag 0", 0, True), ("lag 0, uncorrected", 0, False), ("lag 2, corrected", 2, True),
                 ("lag 2, uncorrected", 2, False), ("lag 4, corrected", 4, True), ("lag 4, uncorrected", 4, False)]  # fmt: skip
-    root = Path(tempfile.mkdtemp(prefix="tandem-learning-"))
     results = []
-    with Progress(console=console) as progress:
+    with scratch_dir("tandem-learning-") as root, Progress(console=console) as progress:  # kept only after a failure
         task = progress.add_task("learning runs", total=len(runs) + 1)
         progress.update(task, description="bare loop")
-        results.append(bare_loop(common))
+        results.append(bare_loop(common, root / "bare"))
         progress.advance(task)
         for name, lag, corrected in runs:
             progress.update(task, description=name)
             overrides = [*common, f"lag.max_lag={lag}", f"training.importance_correction={str(corrected).lower()}",
                          "training.publish_every=1"]  # fmt: skip
-            results.append(pipeline_run(name, overrides, root))
+            results.append(pipeline_run(name, overrides, root / "runs"))
             progress.advance(task)
     print(f"\n{steps} RL steps per run, same samples per run; eval = mean greedy reward on held-out prompts\n")
     print("| run | eval before | eval after | exact after | final batch reward | training seconds | max trained lag |")

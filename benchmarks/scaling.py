@@ -50,6 +50,7 @@ sys.path.insert(0, str(ROOT))
 from configs.schema import EngineConfig, SimLatencyConfig  # noqa: E402
 from flows.cli import run_command  # noqa: E402
 from infra.prefect_server import PrefectServer  # noqa: E402
+from infra.scratch import scratch_dir  # noqa: E402
 
 console = Console(stderr=True)
 
@@ -152,13 +153,14 @@ def measure(run_dir: Path, warmup: int) -> dict:
     intervals = [b["time"] - a["time"] for a, b in zip(steps[warmup - 1:], steady)]
     overheads = [gap - r["poll_seconds"] - r["compute_seconds"] for gap, r in zip(intervals, steady)]
     window = (steps[warmup - 1]["time"], steady[-1]["time"])
-    groups = [json.loads(line) for f in (run_dir / "metrics").glob("generator-*.jsonl") for line in f.read_text().splitlines()]
-    groups = [g for g in groups if g["event"] == "group" and "started_at" in g]
+    events = [json.loads(line) for f in (run_dir / "metrics").glob("generator-*.jsonl") for line in f.read_text().splitlines()]
+    groups = [g for g in events if g["event"] == "group" and "started_at" in g]
+    loaded_at = {e["version"]: e["time"] for e in events if e["event"] == "weights_loaded"}
     summary = json.loads((run_dir / "summary.json").read_text())
     return {
         "step_seconds": sum(intervals) / len(intervals),
         "median_step_seconds": statistics.median(intervals),
-        "generation_span_seconds": statistics.median(_batch_spans(groups, [r["version"] for r in steady])),
+        "generation_span_seconds": statistics.median(_batch_spans(groups, [r["version"] for r in steady], loaded_at)),
         "trainer_idle": sum(r["wait_seconds"] for r in steady) / sum(intervals),
         "generator_idle": 1 - _covered(groups, *window) / (window[1] - window[0]),
         "overhead_seconds": statistics.median(overheads),
@@ -168,15 +170,19 @@ def measure(run_dir: Path, warmup: int) -> dict:
     }  # fmt: skip
 
 
-def _batch_spans(groups: list[dict], versions: list[int]) -> list[float]:
+def _batch_spans(groups: list[dict], versions: list[int], loaded_at: dict[int, float]) -> list[float]:
     """Seconds from the first start to the last commit of the groups in the slots of each batch
     that steps `versions` trained (batch v - 1: what a sync step trains; in an async run batches
-    overlap, and the span is a batch's latency, not a share of the step)."""
+    overlap, and the span is a batch's latency, not a share of the step). A batch's groups start
+    while the engines are paused to load its weights (flows/generation.py), so its span starts
+    no earlier than that load ended (`loaded_at`: version -> time): generation, not the load."""
     spans = []
     for version in versions:
         batch = [g for g in groups if g["slot"] // PROMPTS_PER_STEP == version - 1]
         if batch:
-            spans.append(max(g["finished_at"] for g in batch) - min(g["started_at"] for g in batch))
+            weights = min(g["policy_version"] for g in batch)
+            start = max(min(g["started_at"] for g in batch), loaded_at.get(weights, float("-inf")))
+            spans.append(max(g["finished_at"] for g in batch) - start)
     return spans or [float("nan")]
 
 
@@ -271,26 +277,34 @@ def main() -> None:
     parser.add_argument("--time-scale", type=float, help="Multiply every profile's times (default 1; 0.5 with --quick).")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                         help="Config override for every run, as `tandem run --set` (repeatable).")  # fmt: skip
+    parser.add_argument("--runs-dir", type=Path,
+                        help="Keep every run's directory (metrics, shards, snapshots) here, to look into; by default they "
+                             "are in a scratch directory removed when the benchmark succeeds.")  # fmt: skip
     args = parser.parse_args()
+    if args.runs_dir:
+        args.runs_dir = args.runs_dir.resolve()
+        if args.runs_dir.exists() and any(args.runs_dir.iterdir()):
+            parser.error(f"--runs-dir {args.runs_dir} is not empty: a run of the same name there would be resumed, not measured")
     args.time_scale = args.time_scale or (0.5 if args.quick else 1.0)
     steps, warmup = (3, 1) if args.quick else (args.steps, args.warmup)
     runs = plan(args)
     snapshot_bytes = tiny_snapshot_bytes()
-    root = Path(tempfile.mkdtemp(prefix="tandem-scaling-"))
-    server = PrefectServer(root / "prefect").start()
-    env = os.environ | server.env()
     results = []
     started = time.monotonic()
-    try:
-        for i, (profile, engines, lag) in enumerate(runs, 1):
-            console.print(f"[{i}/{len(runs)}] {profile.name}: {engines} engine(s), max_lag {lag} ({time.monotonic() - started:.0f} s so far)")
-            skipped = warmup if lag == 0 or args.quick else max(warmup, lag + 1)
-            measured = run_once(profile, engines, lag, steps, skipped, root / "runs", env, latency_for(profile, snapshot_bytes), args.set)
-            ideal = profile.ideal(engines, sync=lag == 0)
-            results.append({"profile": profile.name, **asdict(profile), "engines": engines, "max_lag": lag,
-                            "warmup": skipped, "ideal_seconds": ideal, "ratio": measured["step_seconds"] / ideal, **measured})  # fmt: skip
-    finally:
-        server.stop()
+    with scratch_dir("tandem-scaling-") as root:  # removed after success; kept, with the runs' logs, after a failure
+        server = PrefectServer(root / "prefect").start()
+        env = os.environ | server.env()
+        try:
+            for i, (profile, engines, lag) in enumerate(runs, 1):
+                console.print(f"[{i}/{len(runs)}] {profile.name}: {engines} engine(s), max_lag {lag} ({time.monotonic() - started:.0f} s so far)")
+                skipped = warmup if lag == 0 or args.quick else max(warmup, lag + 1)
+                measured = run_once(profile, engines, lag, steps, skipped, args.runs_dir or root / "runs", env,
+                                    latency_for(profile, snapshot_bytes), args.set)  # fmt: skip
+                ideal = profile.ideal(engines, sync=lag == 0)
+                results.append({"profile": profile.name, **asdict(profile), "engines": engines, "max_lag": lag,
+                                "warmup": skipped, "ideal_seconds": ideal, "ratio": measured["step_seconds"] / ideal, **measured})  # fmt: skip
+        finally:
+            server.stop()
     print(f"\n{steps} steady-state steps per run after {warmup} warm-up (async: max_lag + 1); batch {PROMPTS_PER_STEP} prompts x {SAMPLES} samples; "
           f"times x{args.time_scale:g} of the profiles'\n")  # fmt: skip
     print_table(results)

@@ -1,4 +1,5 @@
-"""Shared fixtures: a real SeaweedFS S3 server for the session, and run stores on every backend.
+"""Shared fixtures: a real SeaweedFS S3 server for the session, run stores on every backend, and
+a temporary directory for everything the tests start.
 
 `store` is parametrised over file:// and s3:// so that a test written once checks both backends;
 the s3 case carries the `s3` marker, so `pytest -m "not s3"` runs without starting a server.
@@ -6,19 +7,33 @@ the s3 case carries the `s3` marker, so `pytest -m "not s3"` runs without starti
 
 from __future__ import annotations
 
+import json
+import shutil
+import tempfile
 import uuid
 from pathlib import Path
 
 import pytest
-
-import json
-import shutil
 
 from configs.schema import ModelConfig, StorageConfig
 from infra.manifest import MANIFEST_NAME, build_manifest
 from infra.modelfactory import save_tiny_model
 from infra.seaweed import SeaweedServer, free_s3_port
 from infra.storage import RunStore, open_run_store
+
+
+@pytest.fixture(scope="session", autouse=True)
+def session_tmpdir(tmp_path_factory) -> Path:
+    """TMPDIR for the session, in this process and every server, worker and engine it starts:
+    under pytest's base directory, which keeps the last three sessions, not the system's /tmp.
+    A flow that fails keeps its scratch directory to explain the failure (infra/scratch.py), and
+    the tests that kill workers and fail flows on purpose left 24 there in one CI run."""
+    path = tmp_path_factory.mktemp("tmpdir")
+    patch = pytest.MonkeyPatch()
+    patch.setenv("TMPDIR", str(path))
+    patch.setattr(tempfile, "tempdir", None)  # gettempdir() reads TMPDIR again
+    yield path
+    patch.undo()
 
 
 @pytest.fixture(scope="session")

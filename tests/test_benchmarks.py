@@ -4,6 +4,7 @@ here: timings on a shared machine do not belong in a pass/fail test)."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -53,10 +54,11 @@ def test_storage_benchmark_quick_run(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_learning_benchmark_quick_run(tmp_path: Path) -> None:
-    out = tmp_path / "learning.json"
+    out, scratch = tmp_path / "learning.json", tmp_path / "tmp"
+    scratch.mkdir()
     done = subprocess.run(
         [sys.executable, "benchmarks/learning.py", "--quick", "--out", str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=600,
+        cwd=REPO, capture_output=True, text=True, timeout=600, env=os.environ | {"TMPDIR": str(scratch)},
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     lines = done.stdout.strip().splitlines()
@@ -65,16 +67,18 @@ def test_learning_benchmark_quick_run(tmp_path: Path) -> None:
     report = json.loads(out.read_text())
     assert [r["name"] for r in report["runs"]] == ["bare loop", "lag 0", "lag 4, corrected"]
     assert all(r["identity_holds"] and r["max_trained_lag"] <= 4 for r in report["runs"][1:])
+    assert not list(scratch.glob("tandem-*")), "a benchmark that succeeded leaves no scratch directory behind"
 
 
 @pytest.mark.slow
 def test_scaling_benchmark_quick_run(tmp_path: Path) -> None:
     """--quick runs N = 1 and 3 at max_lag 0 and 2 and reports table, JSON and plot; the runs keep
     the accounting identity and the lag bound. Its timings are not judged here."""
-    out, plot = tmp_path / "scaling.json", tmp_path / "scaling.png"
+    out, plot, scratch = tmp_path / "scaling.json", tmp_path / "scaling.png", tmp_path / "tmp"
+    scratch.mkdir()
     done = subprocess.run(
         [sys.executable, "benchmarks/scaling.py", "--quick", "--out", str(out), "--plot", str(plot)],
-        cwd=REPO, capture_output=True, text=True, timeout=900,
+        cwd=REPO, capture_output=True, text=True, timeout=900, env=os.environ | {"TMPDIR": str(scratch)},
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.strip().splitlines()
@@ -93,6 +97,7 @@ def test_scaling_benchmark_quick_run(tmp_path: Path) -> None:
         assert run["ideal_seconds"] == pytest.approx(run["g1"] / run["engines"] + run["t"] + run["s"] if run["max_lag"] == 0
                                                      else max(run["g1"] / run["engines"], run["t"] + run["s"]))  # fmt: skip
     assert report["worst_async_ratio_vs_ideal"] == max(r["ratio"] for r in report["runs"] if r["max_lag"] > 0)
+    assert not list(scratch.glob("tandem-*")), "a benchmark that succeeded leaves no scratch directory behind"
 
 
 @pytest.mark.slow
