@@ -171,12 +171,14 @@ def kill_trainer(run: EmbeddedRun, rng: random.Random) -> str:
 def stop_storage(run: EmbeddedRun, rng: random.Random) -> str:
     """Stop SeaweedFS (SIGKILL if it is not gone within 2 s: a graceful stop can take 30 s while
     its volume server drains, longer than the outage itself) and start it again on the same
-    directory and ports `OUTAGE_SECONDS` after the fault struck."""
-    struck = time.monotonic()
+    directory and ports `OUTAGE_SECONDS` later. The fault strikes once the server's process is
+    gone: while it shuts down it may still answer, and a step that published in those moments
+    was trained before the outage, not during it."""
     run.seaweed.stop(timeout=2.0)
-    time.sleep(max(0.0, OUTAGE_SECONDS - (time.monotonic() - struck)))
+    run.struck_at, down = time.time(), time.monotonic()
+    time.sleep(OUTAGE_SECONDS)
     run.seaweed.start()
-    return f"SeaweedFS stopped for {time.monotonic() - struck:.0f} s, started again on the same directory"
+    return f"SeaweedFS stopped for {time.monotonic() - down:.0f} s, started again on the same directory"
 
 
 def _next_new_shard(store: RunStore, timeout: float = 60.0) -> str:
