@@ -293,7 +293,9 @@ def check_run(store: RunStore, max_lag: int, fault_at: float) -> dict:
     counts = accounting(store)
     ledger = json.loads(store.read_bytes(LEDGER_KEY))
     trained_twice = sum(n - 1 for n in Counter(ledger["trained_groups"]).values() if n > 1)
-    steps_after = [r["time"] for r in train_steps(store) if r["time"] > fault_at]
+    # A step whose publish began before the fault was trained before it (its record is written
+    # once the publish returns, which a storage outage holds up).
+    steps_after = [r["time"] for r in train_steps(store) if r["time"] - r["publish_seconds"] > fault_at]
     return {
         "identity_holds": counts["identity_holds"], "accounting": counts, "trained_twice": trained_twice,
         "lag_violations": _lag_violations(store, ledger, max_lag),

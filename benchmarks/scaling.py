@@ -155,7 +155,7 @@ def measure(run_dir: Path, warmup: int) -> dict:
     window = (steps[warmup - 1]["time"], steady[-1]["time"])
     events = [json.loads(line) for f in (run_dir / "metrics").glob("generator-*.jsonl") for line in f.read_text().splitlines()]
     groups = [g for g in events if g["event"] == "group" and "started_at" in g]
-    loaded_at = {e["version"]: e["time"] for e in events if e["event"] == "weights_loaded"}
+    loaded_at = {e["version"]: _load_ended(e) for e in events if e["event"] == "weights_loaded"}
     summary = json.loads((run_dir / "summary.json").read_text())
     return {
         "step_seconds": sum(intervals) / len(intervals),
@@ -168,6 +168,13 @@ def measure(run_dir: Path, warmup: int) -> dict:
         "identity_holds": summary["identity_holds"], "max_trained_lag": summary["max_trained_lag"],
         "steps_measured": len(steady),
     }  # fmt: skip
+
+
+def _load_ended(loaded: dict) -> float:
+    """When the engines finished loading a version: its `weights_loaded` record is written once
+    both the load and the work started during it are done, whichever ended last."""
+    load, start = loaded.get("load_seconds", 0.0), loaded.get("start_seconds", 0.0)
+    return loaded["time"] - max(load, start) + load
 
 
 def _batch_spans(groups: list[dict], versions: list[int], loaded_at: dict[int, float]) -> list[float]:

@@ -213,7 +213,9 @@ class Generator:
     @property
     def loaded_version(self) -> int:
         """The weights that work started now runs on: the fleet's, or, while the engines are
-        paused for a load, the version being loaded (nothing runs before the load ends)."""
+        paused for a load, the version being loaded (what is sent meanwhile waits for it; on an
+        engine whose load fails it runs on the old weights, and the engine's own report of the
+        version, which the rollout records, says so)."""
         return self.fleet.version if self._loading_version is None else self._loading_version
 
     def refresh_weights(self, while_loading: Callable[[], object] | None = None) -> dict[str, float] | None:

@@ -23,7 +23,8 @@ import uvicorn
 
 from configs.schema import ModelConfig
 from infra.engines.api import SamplingParams
-from infra.engines.client import KEEPALIVE_SECONDS, EngineClient, EngineRequestError, _continued_seed, _handed_off_finish, _joined
+from infra.engines.client import (KEEPALIVE_SECONDS, EngineClient, EngineRequestError, NoHealthyEngine, _continued_seed,
+                                  _handed_off_finish, _joined)
 from infra.engines.process import EngineProcess, cpu_engine_process
 from infra.modelfactory import save_tiny_model
 from infra.ports import free_port_block
@@ -178,12 +179,12 @@ def test_least_outstanding_balances_equal_requests(engines):
 
 def test_a_request_that_timed_out_on_a_hung_engine_is_answered_by_another(engines):
     """Engine 0 is SIGSTOPped: the requests sent to it hang until the client's request timeout
-    (2 s), longer than its whole retry budget (1 s). Each must then be answered by engine 1: the
+    (5 s), longer than its whole retry budget (1 s). Each must then be answered by engine 1: the
     budget bounds the backoff between attempts, not the attempts. (No hand-off, which would also
     move them, as an abort to the hung engine.)"""
 
     async def scenario():
-        async with EngineClient(engines.urls, api_key=API_KEY, request_timeout=2.0, retry_seconds=1.0, health_interval=60,
+        async with EngineClient(engines.urls, api_key=API_KEY, request_timeout=5.0, retry_seconds=1.0, health_interval=60,
                                 hand_off_stragglers=False) as client:  # fmt: skip
             hung = engines.processes[0]
             os.killpg(hung.pid, signal.SIGSTOP)
@@ -196,6 +197,30 @@ def test_a_request_that_timed_out_on_a_hung_engine_is_answered_by_another(engine
     results, status = asyncio.run(scenario())
     assert [len(r["output_ids"]) for r in results] == [4] * 8
     assert status[0]["failures"] >= 1 and status[0]["completed"] == 0 and status[1]["completed"] == 8, status
+
+
+def test_a_request_that_keeps_hanging_on_engines_that_answer_health_gives_up_in_bounded_time(engines):
+    """Both engines paused: they answer /health, so the probe puts each back in rotation, but
+    they hold every request until its timeout (2 s). With 2 s of backoff allowed, backoff alone
+    would allow six such attempts (about 13.5 s); the wall time from the first failure is capped
+    at retry_seconds + request_timeout, so the request gives up after about three."""
+
+    async def scenario():
+        async with EngineClient(engines.urls, api_key=API_KEY, request_timeout=2.0, retry_seconds=2.0, health_interval=0.2,
+                                hand_off_stragglers=False) as client:  # fmt: skip
+            for endpoint in client.endpoints:
+                await client._control(endpoint, "/pause_generation", {"mode": "in_place"})
+            started = time.monotonic()
+            try:
+                with pytest.raises(NoHealthyEngine):
+                    await client.generate(PROMPT, params(4))
+                return time.monotonic() - started
+            finally:
+                for endpoint in client.endpoints:
+                    await client._control(endpoint, "/continue_generation", {})
+
+    elapsed = asyncio.run(scenario())
+    assert 4.5 < elapsed < 2.0 + 3 * 2.0 + 1.0, elapsed
 
 
 def test_a_straggler_handed_off_mid_way_is_one_answer_with_the_models_logprobs(engines, models):

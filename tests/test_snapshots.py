@@ -7,9 +7,11 @@ before anything else; a manifest cannot make a reader write outside its director
 from __future__ import annotations
 
 import json
+import shutil
 import tempfile
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -122,6 +124,20 @@ def test_a_fetch_across_filesystems_copies(file_store, model, tokenizer) -> None
     with tempfile.TemporaryDirectory(dir=shm) as cache:
         local = load_snapshot(file_store, Path(cache), 0)
         assert (local / "model.safetensors").stat().st_nlink == 1 and verify_local_dir(local)["extra"] == {"version": 0}
+
+
+def test_a_fetch_needs_free_space_only_where_it_copies(store, tmp_path, model, tokenizer, monkeypatch) -> None:
+    """A full disk stops a fetch that would copy the snapshot (s3://) before it writes anything,
+    naming the bytes it needs; a fetch that links the files (file://, the cache on the store's
+    filesystem) takes no space, and goes on."""
+    publish_snapshot(store, model, tokenizer, version=0)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: SimpleNamespace(total=10**12, used=10**12, free=0))
+    if store.protocol == "file":
+        assert verify_local_dir(load_snapshot(store, tmp_path / "cache", 0))["extra"] == {"version": 0}
+    else:
+        with pytest.raises(ManifestError, match=r"needs \d+ bytes, 0 free"):
+            load_snapshot(store, tmp_path / "cache", 0)
+        assert not any((tmp_path / "cache").iterdir())
 
 
 def test_flipped_byte_is_detected_and_named(store, tmp_path, model, tokenizer) -> None:

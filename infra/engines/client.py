@@ -5,9 +5,11 @@ with long-tailed agentic episodes, round-robin piles requests behind one slow en
 least-outstanding keeps every engine's batch equally full. A request that fails on a connection
 error, timeout or 5xx marks its engine unhealthy (out of rotation) and is retried on another one
 with backoff; a background probe of /health brings the engine back when it answers again. A 4xx
-is the caller's mistake and is raised at once, never retried. `retry_seconds` bounds the backoff
-a request waits through, not the attempts themselves (`request_timeout` bounds each): a request
-that hung on an engine until its timeout still goes to the engines that answer.
+is the caller's mistake and is raised at once, never retried. A request retries for
+`retry_seconds` of backoff, and for at most `retry_seconds + request_timeout` of wall time from
+its first failure: a request that hung on an engine until its timeout still goes to the engines
+that answer, and one that keeps hanging (on engines that answer /health but never generate)
+still gives up.
 
 Stragglers are handed off. A batch of long-tailed episodes ends with its most loaded engine:
 counts are balanced when requests are sent, lengths cannot be (on the scaling benchmark's
@@ -214,7 +216,7 @@ class EngineClient:
                 return _joined(parts, len(input_ids))
 
     async def _post_balanced(self, path: str, body: dict, movable: _Movable | None = None):
-        waited, delay = 0.0, 0.05
+        waited, delay, first_failure = 0.0, 0.05, None
         while True:
             endpoint = self._pick()
             if endpoint is not None:
@@ -243,8 +245,10 @@ class EngineClient:
                         self._hand_off_held = False
                     elif endpoint.outstanding == 0:
                         self._take_stragglers(endpoint)
-            if waited + delay > self.retry_seconds:
-                raise NoHealthyEngine(f"no engine answered {path} in {self.retry_seconds}s of retries: {self.status()}")
+            now = asyncio.get_running_loop().time()
+            first_failure = now if first_failure is None else first_failure
+            if waited + delay > self.retry_seconds or now + delay > first_failure + self.retry_seconds + self.request_timeout:
+                raise NoHealthyEngine(f"no engine answered {path} in {now - first_failure:.0f}s of retries: {self.status()}")
             await asyncio.sleep(delay)
             waited += delay
             delay = min(delay * 2, 1.0)

@@ -77,9 +77,11 @@ class EngineFleet:
                 restarted.append(process.url)
         return restarted
 
-    def pause(self, timeout: float = 10.0) -> bool:
+    def pause(self, timeout: float = 2.0) -> bool:
         """Pause every engine, so that work sent to it waits until `update_weights` continues
-        it; True if every engine confirmed. (update_weights pauses again: a pause is idempotent.)"""
+        it; True if every engine confirmed. (update_weights pauses again: a pause is idempotent.)
+        A healthy engine confirms in milliseconds; the short timeout keeps one hung engine from
+        holding the healthy ones paused, which update_weights then continues after their loads."""
 
         async def pause() -> bool:
             async with EngineClient(self.urls, api_key=self.api_key) as client:
