@@ -41,6 +41,7 @@ Names that start with "." are temporaries of an unfinished write and are never l
 
 from __future__ import annotations
 
+import contextvars
 import errno
 import logging
 import os
@@ -322,11 +323,16 @@ class RunStore:
         return True
 
     def _retry(self, call: Callable[..., T], *args, **kwargs) -> T:
+        """`call` with retries, in an empty contextvars context. s3fs runs it on fsspec's IO-loop
+        thread, where timers it leaves (aiohttp's keep-alive) hold a copy of the caller's context
+        long after the call: Prefect's task run context, whose parameters are the Learner and its
+        tensors. That daemon thread then freed the tensors at interpreter exit, and the process
+        aborted ("terminate called without an active exception", exit -6) after a finished run."""
         deadline = time.monotonic() + self.retry_seconds
         delay = 0.1
         while True:
             try:
-                return call(*args, **kwargs)
+                return contextvars.Context().run(call, *args, **kwargs)
             except PERMANENT_ERRORS:
                 raise
             except (OSError, BotoCoreError, ClientError, TimeoutError) as err:

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import contextvars
 import errno
+import gc
 import os
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -312,3 +315,27 @@ def test_processes_opening_a_new_bucket_at_once_all_get_it(seaweed: SeaweedServe
         stores = list(pool.map(lambda i: open_run_store(config, f"run{i}"), range(8)))
     stores[0].write_atomic("k", b"v")
     assert stores[0].read_bytes("k") == b"v"
+
+
+CALLER = contextvars.ContextVar("caller")
+
+
+def test_a_storage_call_keeps_nothing_of_its_callers_context(store):
+    """s3fs runs a call on fsspec's IO-loop thread, where timers (aiohttp's keep-alive) outlive
+    it holding a copy of the context it was made in. A Prefect task run's context holds its
+    parameters, the trainer's tensors among them, and that daemon thread freed them at
+    interpreter exit: the process aborted after a finished run. Nothing the caller's context
+    holds may outlive the call."""
+
+    class Payload:
+        pass
+
+    payload = Payload()
+    alive = weakref.ref(payload)
+    token = CALLER.set(payload)
+    store.write_atomic("context/key", b"x")
+    assert store.read_bytes("context/key") == b"x" and store.list("context") == ["context/key"]
+    CALLER.reset(token)
+    del payload
+    gc.collect()
+    assert alive() is None
