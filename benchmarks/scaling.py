@@ -47,6 +47,7 @@ from rich.console import Console
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.floor import floor_seconds  # noqa: E402
 from configs.schema import EngineConfig, SimLatencyConfig  # noqa: E402
 from flows.cli import run_command  # noqa: E402
 from infra.prefect_server import PrefectServer  # noqa: E402
@@ -219,21 +220,22 @@ def plan(args) -> list[tuple[Profile, int, int]]:
 
 
 def print_table(results: list[dict]) -> None:
-    print("| profile | engines | max_lag | step s | median s | ideal s | measured/ideal | batch generation s | G1/N s "
-          "| trainer idle | generator idle | overhead s/step | overhead % | slime s |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| profile | engines | max_lag | step s | median s | ideal s | measured/ideal | floor s | measured/floor | batch generation s "
+          "| G1/N s | trainer idle | generator idle | overhead s/step | overhead % | slime s |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in results:
         mode = "sync" if r["max_lag"] == 0 else "async"
         slime = SEED_POINTS.get(r["engines"], {}).get(mode) if r["profile"] == "seed" else None
         slime = slime * r["g1"] / PROFILES["seed"].g1 if slime is not None else None  # in the run's time scale
         span = f"{r['generation_span_seconds']:.2f}" if mode == "sync" else ""
         print(f"| {r['profile']} | {r['engines']} | {r['max_lag']} | {r['step_seconds']:.2f} | {r['median_step_seconds']:.2f} "
-              f"| {r['ideal_seconds']:.2f} | {r['ratio']:.2f} | {span} | {r['g1'] / r['engines']:.2f} | {r['trainer_idle']:.2f} | {r['generator_idle']:.2f} | {r['overhead_seconds']:.3f} "
+              f"| {r['ideal_seconds']:.2f} | {r['ratio']:.2f} | {r['floor_seconds']:.2f} | {r['ratio_vs_floor']:.2f} | {span} | {r['g1'] / r['engines']:.2f} | {r['trainer_idle']:.2f} | {r['generator_idle']:.2f} | {r['overhead_seconds']:.3f} "
               f"| {100 * r['overhead_seconds'] / r['step_seconds']:.1f}% | {'' if slime is None else f'{slime:.2f}'} |")  # fmt: skip
 
 
 def plot(results: list[dict], path: Path) -> None:
-    """Step time against engines: measured sync and async, both ideals, slime's points."""
+    """Step time against engines: measured sync and async, their zero-overhead floors, both
+    ideals, slime's points."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -252,6 +254,8 @@ def plot(results: list[dict], path: Path) -> None:
             points = sorted((r["engines"], r["step_seconds"]) for r in rows if r["max_lag"] == lag)
             style = ("o-", "tab:red") if lag == 0 else ("s-", "tab:blue" if lag == 2 else "tab:cyan")
             ax.plot(*zip(*points), style[0], color=style[1], label=f"tandem, max_lag {lag}" + (" (sync)" if lag == 0 else ""))
+            floors = sorted((r["engines"], r["floor_seconds"]) for r in rows if r["max_lag"] == lag)
+            ax.plot(*zip(*floors), "x:", color=style[1], alpha=0.7, label=f"zero-overhead floor, max_lag {lag}")
         if name == "seed":
             scale = profile.g1 / PROFILES["seed"].g1
             for mode, marker in (("sync", "X"), ("async", "P")):
@@ -305,24 +309,30 @@ def main() -> None:
             for i, (profile, engines, lag) in enumerate(runs, 1):
                 console.print(f"[{i}/{len(runs)}] {profile.name}: {engines} engine(s), max_lag {lag} ({time.monotonic() - started:.0f} s so far)")
                 skipped = warmup if lag == 0 or args.quick else max(warmup, lag + 1)
-                measured = run_once(profile, engines, lag, steps, skipped, args.runs_dir or root / "runs", env,
-                                    latency_for(profile, snapshot_bytes), args.set)  # fmt: skip
+                cycles = math.ceil(steps / (lag + 1)) * (lag + 1)  # whole bursts: an async run trains max_lag + 1 batches, then waits
+                latency = latency_for(profile, snapshot_bytes)
+                measured = run_once(profile, engines, lag, cycles, skipped, args.runs_dir or root / "runs", env, latency, args.set)
                 ideal = profile.ideal(engines, sync=lag == 0)
-                results.append({"profile": profile.name, **asdict(profile), "engines": engines, "max_lag": lag,
-                                "warmup": skipped, "ideal_seconds": ideal, "ratio": measured["step_seconds"] / ideal, **measured})  # fmt: skip
+                floor = floor_seconds(latency, engines, lag, profile.t, profile.s, BATCH, RUNNING_CAP, MAX_NEW_TOKENS, PROMPT_TOKENS)
+                results.append({"profile": profile.name, **asdict(profile), "engines": engines, "max_lag": lag, "steps": cycles,
+                                "warmup": skipped, "ideal_seconds": ideal, "ratio": measured["step_seconds"] / ideal,
+                                "floor_seconds": floor, "ratio_vs_floor": measured["step_seconds"] / floor, **measured})  # fmt: skip
         finally:
             server.stop()
-    print(f"\n{steps} steady-state steps per run after {warmup} warm-up (async: max_lag + 1); batch {PROMPTS_PER_STEP} prompts x {SAMPLES} samples; "
-          f"times x{args.time_scale:g} of the profiles'\n")  # fmt: skip
+    print(f"\n{steps} steady-state steps per run (async: rounded up to whole bursts of max_lag + 1) after {warmup} warm-up "
+          f"(async: max_lag + 1); batch {PROMPTS_PER_STEP} prompts x {SAMPLES} samples; times x{args.time_scale:g} of the profiles'; "
+          "floor: the same scheduling with zero overhead (benchmarks/floor.py)\n")  # fmt: skip
     print_table(results)
     plot(results, args.plot)
     async_ratios = [r["ratio"] for r in results if r["max_lag"] > 0]
     sync_ratios = [r["ratio"] for r in results if r["max_lag"] == 0]
     if args.out:
         args.out.write_text(json.dumps({"steps": steps, "warmup": warmup, "runs": results, "seed_points": SEED_POINTS,
+                                        "worst_ratio_vs_floor": max(r["ratio_vs_floor"] for r in results),
                                         "worst_async_ratio_vs_ideal": max(async_ratios, default=None),
                                         "worst_sync_ratio_vs_ideal": max(sync_ratios, default=None)}, indent=2))  # fmt: skip
     console.print(f"plot: {args.plot}; {time.monotonic() - started:.0f} s in all")
+    print(f"worst_ratio_vs_floor: {max(r['ratio_vs_floor'] for r in results):.2f}")
     print(f"worst_sync_ratio_vs_ideal: {max(sync_ratios, default=float('nan')):.2f}")
     print(f"worst_async_ratio_vs_ideal: {max(async_ratios, default=float('nan')):.2f}")
 

@@ -86,6 +86,7 @@ def test_scaling_benchmark_quick_run(tmp_path: Path) -> None:
     rows = [line for line in lines if re.match(r"\| seed \| [13] \| [02] \|", line)]
     assert len(rows) == 4
     assert re.fullmatch(r"worst_async_ratio_vs_ideal: \d+\.\d\d", lines[-1])
+    assert re.fullmatch(r"worst_ratio_vs_floor: \d+\.\d\d", lines[-3])
     assert plot.stat().st_size > 10_000
     report = json.loads(out.read_text())
     assert {(r["engines"], r["max_lag"]) for r in report["runs"]} == {(1, 0), (1, 2), (3, 0), (3, 2)}
@@ -94,6 +95,7 @@ def test_scaling_benchmark_quick_run(tmp_path: Path) -> None:
         assert run["steps_measured"] == 3 and run["warmup"] == 1
         assert run["generation_span_seconds"] > 0 and run["median_step_seconds"] > 0
         assert run["compute_seconds"] >= run["t"], "the simulated step takes at least T"
+        assert run["ratio_vs_floor"] == pytest.approx(run["step_seconds"] / run["floor_seconds"])
         assert run["ideal_seconds"] == pytest.approx(run["g1"] / run["engines"] + run["t"] + run["s"] if run["max_lag"] == 0
                                                      else max(run["g1"] / run["engines"], run["t"] + run["s"]))  # fmt: skip
     assert report["worst_async_ratio_vs_ideal"] == max(r["ratio"] for r in report["runs"] if r["max_lag"] > 0)
