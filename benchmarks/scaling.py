@@ -63,6 +63,7 @@ RUNNING_CAP = EngineConfig().max_batch_size
 """Sequences an engine decodes at once: tandem's default (32), about what one H100 holds in KV
 cache for a 14B model at agentic context lengths (160 KB a token, ~50 GB free: ~20 sequences of
 16k tokens). Not a whole batch: a GPU queues the rest, and serves them first come, first served."""
+RUN_TIMEOUT_SECONDS = 1800
 SEED_POINTS = {1: {"async": 12.00, "sync": 16.97}, 3: {"async": 6.61, "sync": 10.32}}
 """slime's measured step times, in seconds / 100 (the profiles' units)."""
 
@@ -125,24 +126,75 @@ def tiny_snapshot_bytes() -> int:
         return sum(p.stat().st_size for p in save_tiny_model(ModelConfig(), Path(tmp) / "m", seed=0).glob("*.safetensors"))
 
 
-def run_once(profile: Profile, engines: int, max_lag: int, steps: int, warmup: int, root: Path, env: dict,
-             latency: SimLatencyConfig, extra: list[str] = ()) -> dict:  # fmt: skip
-    """One pipeline run in a fresh process; its figures read back from the run directory."""
-    run_id = f"{profile.name}-n{engines}-lag{max_lag}"
-    overrides = [
-        f"run_id={run_id}", f"storage.root=file://{root}", "engine.backend=sim", f"engine.sim={latency.model_dump_json()}",
-        f"engine.max_batch_size={RUNNING_CAP}", f"generation.engines={engines}", f"generation.samples_per_prompt={SAMPLES}",
-        f"generation.max_new_tokens={MAX_NEW_TOKENS}", f"generation.prompts_per_chunk={PROMPTS_PER_STEP}",
-        f"training.prompts_per_step={PROMPTS_PER_STEP}", f"training.steps={warmup + steps}", "training.warmup_steps=0",
-        f"training.simulate_step_seconds={profile.t}", "training.checkpoint_every=1000", "training.publish_every=1",
-        f"lag.max_lag={max_lag}", "env.entrypoint=tasks.envs.arithmetic:AdditionEnv", "env.kwargs={}", "env.max_turns=1",
-        "env.eval_prompts=0", "dask.n_workers=2", "dask.threads_per_worker=16", *extra,
-    ]  # fmt: skip
-    command = run_command(ROOT / "configs" / "tiny.yaml", overrides)
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
-    if done.returncode != 0:
-        raise RuntimeError(f"{run_id} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
-    return measure(root / run_id, warmup)
+class PipelineRun:
+    """One pipeline run in a fresh `tandem run` process; its figures read back from its run directory.
+
+    The benchmark starts the next run as soon as this one has recorded its last training step:
+    what is left of it (the generators' stop, the summary and its plots, Dask's and Prefect's
+    shutdown: about 4 s) and the next run's start (Python's imports, the engines' and workers'
+    boot, its warm-up steps) fall in neither run's measured window, so they may share the two
+    cores. Twenty runs save over a minute that way; no measured step ever runs beside another run."""
+
+    def __init__(self, profile: Profile, engines: int, max_lag: int, steps: int, warmup: int, root: Path, env: dict,
+                 latency: SimLatencyConfig, extra: list[str] = ()):  # fmt: skip
+        self.run_id = f"{profile.name}-n{engines}-lag{max_lag}"
+        self.run_dir, self.warmup, self.last_version = root / self.run_id, warmup, warmup + steps
+        overrides = [
+            f"run_id={self.run_id}", f"storage.root=file://{root}", "engine.backend=sim", f"engine.sim={latency.model_dump_json()}",
+            f"engine.max_batch_size={RUNNING_CAP}", f"generation.engines={engines}", f"generation.samples_per_prompt={SAMPLES}",
+            f"generation.max_new_tokens={MAX_NEW_TOKENS}", f"generation.prompts_per_chunk={PROMPTS_PER_STEP}",
+            f"training.prompts_per_step={PROMPTS_PER_STEP}", f"training.steps={warmup + steps}", "training.warmup_steps=0",
+            f"training.simulate_step_seconds={profile.t}", "training.checkpoint_every=1000", "training.publish_every=1",
+            f"lag.max_lag={max_lag}", "env.entrypoint=tasks.envs.arithmetic:AdditionEnv", "env.kwargs={}", "env.max_turns=1",
+            "env.eval_prompts=0", "dask.n_workers=2", "dask.threads_per_worker=16", *extra,
+        ]  # fmt: skip
+        root.mkdir(parents=True, exist_ok=True)
+        self.log_path = root / f"{self.run_id}.log"
+        with self.log_path.open("wb") as log:  # a file, not a pipe: nobody reads a pipe while the run goes on
+            self.process = subprocess.Popen(run_command(ROOT / "configs" / "tiny.yaml", overrides), cwd=ROOT, env=env,
+                                            stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+        self.started_at, self.deadline = time.time(), time.monotonic() + RUN_TIMEOUT_SECONDS
+        self.trained_at: float | None = None
+
+    def wait_trained(self) -> None:
+        """Return once the run has recorded its last training step (or has exited)."""
+        trainer, seen = self.run_dir / "metrics" / "trainer.jsonl", -1
+        while self.process.poll() is None:
+            size = trainer.stat().st_size if trainer.exists() else 0
+            if size != seen:
+                seen = size
+                last = [r for r in map(json.loads, trainer.read_text().splitlines() if size else ()) if r["event"] == "train_step"]
+                if last and last[-1]["version"] >= self.last_version:
+                    self.trained_at = last[-1]["time"]
+                    return
+            self._check_deadline()
+            time.sleep(0.5)
+
+    def finish(self) -> dict:
+        """Wait for the process to exit and measure the run."""
+        try:
+            self.process.wait(timeout=max(1.0, self.deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            self._check_deadline()
+        if self.process.returncode != 0:
+            raise RuntimeError(f"{self.run_id} exited {self.process.returncode}; its output ({self.log_path}) ends:\n"
+                               f"{self.log_path.read_text(errors='replace')[-5000:]}")  # fmt: skip
+        return {**measure(self.run_dir, self.warmup), "process_started_at": self.started_at, "process_ended_at": time.time()}
+
+    def stop(self) -> None:
+        """Stop the run's process (its engines and Dask workers follow their parent)."""
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+    def _check_deadline(self) -> None:
+        if time.monotonic() > self.deadline:
+            self.stop()
+            raise RuntimeError(f"{self.run_id} ran past {RUN_TIMEOUT_SECONDS} s; its output: {self.log_path}")
 
 
 def measure(run_dir: Path, warmup: int) -> dict:
@@ -167,7 +219,7 @@ def measure(run_dir: Path, warmup: int) -> dict:
         "overhead_seconds": statistics.median(overheads),
         "compute_seconds": statistics.median(r["compute_seconds"] for r in steady),
         "identity_holds": summary["identity_holds"], "max_trained_lag": summary["max_trained_lag"],
-        "steps_measured": len(steady),
+        "steps_measured": len(steady), "measured_from": window[0], "measured_until": window[1],
     }  # fmt: skip
 
 
@@ -217,6 +269,13 @@ def plan(args) -> list[tuple[Profile, int, int]]:
         profiles = {p: [int(lag) for lag in args.lags.split(",")] for p in profiles}
     engines = [int(n) for n in args.engines.split(",")]
     return [(p.scaled(args.time_scale), n, lag) for p, lags in profiles.items() for n in engines for lag in lags]
+
+
+def finished(planned: dict, run: PipelineRun) -> dict:
+    """A run's row: what was planned for it and what it measured, side by side."""
+    measured = run.finish()
+    ratios = {"ratio": measured["step_seconds"] / planned["ideal_seconds"], "ratio_vs_floor": measured["step_seconds"] / planned["floor_seconds"]}
+    return {**planned, **ratios, **measured}
 
 
 def print_table(results: list[dict]) -> None:
@@ -305,20 +364,30 @@ def main() -> None:
     with scratch_dir("tandem-scaling-") as root:  # removed after success; kept, with the runs' logs, after a failure
         server = PrefectServer(root / "prefect").start()
         env = os.environ | server.env()
+        pending: list[tuple[dict, PipelineRun]] = []  # started, not yet measured: at most the last two
         try:
             for i, (profile, engines, lag) in enumerate(runs, 1):
-                console.print(f"[{i}/{len(runs)}] {profile.name}: {engines} engine(s), max_lag {lag} ({time.monotonic() - started:.0f} s so far)")
+                if pending:
+                    pending[-1][1].wait_trained()
                 skipped = warmup if lag == 0 or args.quick else max(warmup, lag + 1)
                 cycles = math.ceil(steps / (lag + 1)) * (lag + 1)  # whole bursts: an async run trains max_lag + 1 batches, then waits
                 latency = latency_for(profile, snapshot_bytes)
-                measured = run_once(profile, engines, lag, cycles, skipped, args.runs_dir or root / "runs", env, latency, args.set)
-                ideal = profile.ideal(engines, sync=lag == 0)
                 floor = floor_seconds(latency, engines, lag, profile.t, profile.s, BATCH, RUNNING_CAP, MAX_NEW_TOKENS, PROMPT_TOKENS)
-                results.append({"profile": profile.name, **asdict(profile), "engines": engines, "max_lag": lag, "steps": cycles,
-                                "warmup": skipped, "ideal_seconds": ideal, "ratio": measured["step_seconds"] / ideal,
-                                "floor_seconds": floor, "ratio_vs_floor": measured["step_seconds"] / floor, **measured})  # fmt: skip
+                planned = {"profile": profile.name, **asdict(profile), "engines": engines, "max_lag": lag, "steps": cycles,
+                           "warmup": skipped, "ideal_seconds": profile.ideal(engines, sync=lag == 0), "floor_seconds": floor}  # fmt: skip
+                console.print(f"[{i}/{len(runs)}] {profile.name}: {engines} engine(s), max_lag {lag} ({time.monotonic() - started:.0f} s so far)")
+                pending.append((planned, PipelineRun(profile, engines, lag, cycles, skipped, args.runs_dir or root / "runs", env, latency, args.set)))
+                while len(pending) > 1 or (pending and i == len(runs)):
+                    results.append(finished(*pending[0]))
+                    del pending[0]
         finally:
+            for _, run in pending:
+                run.stop()
             server.stop()
+    for before, after in zip(results, results[1:]):
+        if after["measured_from"] < before["process_ended_at"]:
+            console.print(f"[yellow]warning: a {after['profile']} run (N={after['engines']}, max_lag {after['max_lag']}) began "
+                          "its measured steps before the previous run's process had exited[/yellow]")  # fmt: skip
     print(f"\n{steps} steady-state steps per run (async: rounded up to whole bursts of max_lag + 1) after {warmup} warm-up "
           f"(async: max_lag + 1); batch {PROMPTS_PER_STEP} prompts x {SAMPLES} samples; times x{args.time_scale:g} of the profiles'; "
           "floor: the same scheduling with zero overhead (benchmarks/floor.py)\n")  # fmt: skip

@@ -73,7 +73,8 @@ def test_learning_benchmark_quick_run(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_scaling_benchmark_quick_run(tmp_path: Path) -> None:
     """--quick runs N = 1 and 3 at max_lag 0 and 2 and reports table, JSON and plot; the runs keep
-    the accounting identity and the lag bound. Its timings are not judged here."""
+    the accounting identity and the lag bound, and no run measures a step while another runs.
+    Its timings are not judged here."""
     out, plot, scratch = tmp_path / "scaling.json", tmp_path / "scaling.png", tmp_path / "tmp"
     scratch.mkdir()
     done = subprocess.run(
@@ -99,6 +100,10 @@ def test_scaling_benchmark_quick_run(tmp_path: Path) -> None:
         assert run["ideal_seconds"] == pytest.approx(run["g1"] / run["engines"] + run["t"] + run["s"] if run["max_lag"] == 0
                                                      else max(run["g1"] / run["engines"], run["t"] + run["s"]))  # fmt: skip
     assert report["worst_async_ratio_vs_ideal"] == max(r["ratio"] for r in report["runs"] if r["max_lag"] > 0)
+    for before, after in zip(report["runs"], report["runs"][1:]):
+        assert after["process_started_at"] < before["process_ended_at"], "the next run starts while the last one shuts down"
+        assert after["process_started_at"] >= before["measured_until"], "but never during a measured step"
+        assert after["measured_from"] >= before["process_ended_at"], "and measures nothing until the last one has exited"
     assert not list(scratch.glob("tandem-*")), "a benchmark that succeeded leaves no scratch directory behind"
 
 
