@@ -154,7 +154,6 @@ class PipelineRun:
             self.process = subprocess.Popen(run_command(ROOT / "configs" / "tiny.yaml", overrides), cwd=ROOT, env=env,
                                             stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
         self.started_at, self.deadline = time.time(), time.monotonic() + RUN_TIMEOUT_SECONDS
-        self.trained_at: float | None = None
 
     def wait_trained(self) -> None:
         """Return once the run has recorded its last training step (or has exited)."""
@@ -162,10 +161,9 @@ class PipelineRun:
         while self.process.poll() is None:
             size = trainer.stat().st_size if trainer.exists() else 0
             if size != seen:
-                seen = size
-                last = [r for r in map(json.loads, trainer.read_text().splitlines() if size else ()) if r["event"] == "train_step"]
-                if last and last[-1]["version"] >= self.last_version:
-                    self.trained_at = last[-1]["time"]
+                seen, text = size, trainer.read_text() if size else ""
+                records = map(json.loads, text[: text.rfind("\n") + 1].splitlines())  # whole lines: one may be mid-write
+                if any(r["event"] == "train_step" and r["version"] >= self.last_version for r in records):
                     return
             self._check_deadline()
             time.sleep(0.5)
