@@ -107,6 +107,32 @@ def test_scaling_benchmark_quick_run(tmp_path: Path) -> None:
     assert not list(scratch.glob("tandem-*")), "a benchmark that succeeded leaves no scratch directory behind"
 
 
+def test_the_scaling_plan_runs_each_configuration_once() -> None:
+    """Runs are named by profile, engines and max_lag: a repeated value would put two runs in one
+    run directory."""
+    from benchmarks.scaling import main_parser, plan
+
+    args = main_parser().parse_args(["--engines", "1,3,1", "--lags", "2,0,2"])
+    args.time_scale = 1.0
+    assert [(p.name, n, lag) for p, n, lag in plan(args)] == [
+        (name, n, lag) for name in ("seed", "agentic") for n in (1, 3) for lag in (2, 0)
+    ]
+
+
+@pytest.mark.slow
+def test_a_scaling_run_that_fails_stops_the_benchmark_before_the_next_run_starts(tmp_path: Path) -> None:
+    runs = tmp_path / "runs"
+    done = subprocess.run(
+        [sys.executable, "benchmarks/scaling.py", "--quick", "--runs-dir", str(runs), "--plot", str(tmp_path / "p.png"),
+         "--set", "training.no_such_field=1"],
+        cwd=REPO, capture_output=True, text=True, timeout=300, env=os.environ | {"TMPDIR": str(tmp_path)},
+    )  # fmt: skip
+    assert done.returncode != 0
+    assert "seed-n1-lag0 exited" in done.stderr and "no_such_field" in done.stderr, done.stderr[-3000:]
+    assert sorted(p.name for p in runs.glob("*.log")) == ["seed-n1-lag0.log"], "no second run was started"
+    assert not (tmp_path / "p.png").exists()
+
+
 @pytest.mark.slow
 @pytest.mark.s3
 def test_weightsync_benchmark_quick_run(tmp_path: Path) -> None:
