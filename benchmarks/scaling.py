@@ -168,8 +168,7 @@ class PipelineRun:
                 if any(r["event"] == "train_step" and r["version"] >= self.last_version for r in records):
                     return
             if time.monotonic() > self.deadline:
-                self.stop()
-                raise RuntimeError(f"{self.run_id} ran past {RUN_TIMEOUT_SECONDS} s; its output: {self.log_path}")
+                raise self._stopped_overdue()
             time.sleep(0.5)
 
     def finish(self) -> dict:
@@ -177,8 +176,7 @@ class PipelineRun:
         try:
             self.process.wait(timeout=max(1.0, self.deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            self.stop()
-            raise RuntimeError(f"{self.run_id} ran past {RUN_TIMEOUT_SECONDS} s; its output: {self.log_path}") from None
+            raise self._stopped_overdue() from None
         if self.process.returncode != 0:
             raise RuntimeError(f"{self.run_id} exited {self.process.returncode}; its output ({self.log_path}) ends:\n"
                                f"{self.log_path.read_text(errors='replace')[-5000:]}")  # fmt: skip
@@ -193,6 +191,10 @@ class PipelineRun:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+
+    def _stopped_overdue(self) -> RuntimeError:
+        self.stop()
+        return RuntimeError(f"{self.run_id} ran past {RUN_TIMEOUT_SECONDS} s; its output: {self.log_path}")
 
 
 def measure(run_dir: Path, warmup: int) -> dict:
@@ -382,9 +384,12 @@ def main() -> None:
                            "warmup": skipped, "ideal_seconds": profile.ideal(engines, sync=lag == 0), "floor_seconds": floor}  # fmt: skip
                 console.print(f"[{i}/{len(runs)}] {profile.name}: {engines} engine(s), max_lag {lag} ({time.monotonic() - started:.0f} s so far)")
                 pending.append((planned, PipelineRun(profile, engines, lag, cycles, skipped, args.runs_dir or root / "runs", env, latency, args.set)))
-                while len(pending) > 1 or (pending and i == len(runs)):
+                if len(pending) == 2:  # the new run is starting: the last one is shutting down, measure it
                     results.append(finished(*pending[0]))
                     del pending[0]
+            while pending:
+                results.append(finished(*pending[0]))
+                del pending[0]
         finally:
             for _, run in pending:
                 run.stop()
