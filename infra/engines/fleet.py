@@ -8,13 +8,25 @@ requests to the live engines. `update_weights` moves every live engine with the 
 pause -> load -> continue and records the version the fleet is on; a `pause` first lets a
 generator send the work that needs the new weights while they load: it waits in the engines'
 queues and runs on them from its first token (tasks/generator.py).
+
+The fleet sends its pauses, loads and aborts through one `EngineClient` that lives as long as the
+engines do, on an event loop of its own (an anyio blocking portal, so the fleet's callers stay
+synchronous). Why not a client per call: an engine that hangs through a sync (stopped, swapping)
+gets pauses that it only answers once it runs again, and the client that gave up on it must be
+there then to continue it: its health probe does that (infra/engines/client.py). A client closed
+after the call left such an engine paused, holding every request sent to it, until the next
+version's sync. Continued, the engine runs on its old weights, which it reports, until then.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
+from collections.abc import Awaitable, Callable
+from contextlib import ExitStack
 from pathlib import Path
+from typing import TypeVar
+
+from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from configs.schema import EngineConfig
 from infra.engines.client import EngineClient, WeightSyncResult
@@ -22,6 +34,7 @@ from infra.engines.process import EngineProcess, cpu_engine_process
 from infra.ports import free_port_block
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class EngineFleet:
@@ -36,6 +49,9 @@ class EngineFleet:
         self.ports = [base + i for i in range(count)]
         self.processes: list[EngineProcess] = [self._process(port) for port in self.ports]
         self.restarts = 0
+        self._control = ExitStack()
+        self._portal: BlockingPortal | None = None
+        self._client: EngineClient | None = None
 
     @property
     def urls(self) -> list[str]:
@@ -57,12 +73,17 @@ class EngineFleet:
         try:
             for process in self.processes:
                 process.wait_healthy(timeout)
+            self._portal = self._control.enter_context(start_blocking_portal())
+            client = EngineClient(self.urls, api_key=self.api_key)
+            self._client = self._control.enter_context(self._portal.wrap_async_context_manager(client))
         except BaseException:
             self.stop()
             raise
         return self
 
     def stop(self) -> None:
+        self._control.close()
+        self._portal = self._client = None
         for process in self.processes:
             process.stop()
 
@@ -82,33 +103,27 @@ class EngineFleet:
         it; True if every engine confirmed. (update_weights pauses again: a pause is idempotent.)
         A healthy engine confirms in milliseconds; the short timeout keeps one hung engine from
         holding the healthy ones paused, which update_weights then continues after their loads."""
-
-        async def pause() -> bool:
-            async with EngineClient(self.urls, api_key=self.api_key) as client:
-                return await client.pause(timeout=timeout)
-
-        return asyncio.run(pause())
+        return self._run(lambda client: client.pause("in_place", timeout))
 
     def update_weights(self, model_dir: Path, version: int, timeout: float = 120.0) -> list[WeightSyncResult]:
-        """Pause, load snapshot `version` (a verified local directory) and continue every engine."""
-
-        async def sync() -> list[WeightSyncResult]:
-            async with EngineClient(self.urls, api_key=self.api_key, retry_seconds=timeout) as client:
-                return await client.update_weights(str(model_dir), str(version), timeout=timeout)
-
-        results = asyncio.run(sync())
+        """Pause, load snapshot `version` (a verified local directory) and continue every engine
+        in rotation; an engine out of it (a sync gave up on it and it has not answered since) is
+        reported failed and keeps its weights."""
+        results = self._run(lambda client: client.update_weights(str(model_dir), str(version), timeout))
         self.model_dir, self.version = model_dir, version
         return results
 
     def abort_all(self) -> None:
-        """Abort every request the engines are running or queueing (they answer it with
-        finish_reason abort); engines that do not answer are skipped."""
+        """Abort every request the engines in rotation are running or queueing (they answer it
+        with finish_reason abort)."""
+        self._run(lambda client: client.abort_all())
 
-        async def abort() -> None:
-            async with EngineClient(self.urls, api_key=self.api_key) as client:
-                await client.abort_all()
-
-        asyncio.run(abort())
+    def _run(self, control: Callable[[EngineClient], Awaitable[T]]) -> T:
+        """Run one control exchange with the fleet's client, on the fleet's event loop."""
+        if self._portal is None or self._client is None:
+            raise RuntimeError("start the fleet (EngineFleet.start, or `with fleet:`) before sending it control requests")
+        client = self._client
+        return self._portal.call(lambda: control(client))
 
     def _process(self, port: int) -> EngineProcess:
         log_path = self.log_dir / f"engine-{port}.log"
