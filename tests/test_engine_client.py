@@ -23,8 +23,8 @@ import uvicorn
 
 from configs.schema import ModelConfig
 from infra.engines.api import SamplingParams
-from infra.engines.client import (KEEPALIVE_SECONDS, EngineClient, EngineRequestError, NoHealthyEngine, _continued_seed,
-                                  _handed_off_finish, _joined)
+from infra.engines.client import KEEPALIVE_SECONDS, EngineClient, EngineRequestError, NoHealthyEngine
+from infra.engines.handoff import continued_seed, handed_off_finish, joined_parts
 from infra.engines.process import EngineProcess, cpu_engine_process
 from infra.modelfactory import save_tiny_model
 from infra.ports import free_port_block
@@ -294,24 +294,24 @@ def test_joined_parts_keep_the_order_and_the_lowest_weight_version():
                 "finish_reason": {"type": finish}, "output_token_logprobs": [[-0.5, t, None] for t in ids]}  # fmt: skip
         return {"output_ids": ids, "text": "".join(map(str, ids)), "meta_info": meta}
 
-    joined = _joined([part([1, 2], "7", "abort"), part([3], "6", "abort"), part([], "5", "abort"), part([4, 5], "8", "stop")], prompt_tokens=3)
+    joined = joined_parts([part([1, 2], "7", "abort"), part([3], "6", "abort"), part([], "5", "abort"), part([4, 5], "8", "stop")], prompt_tokens=3)
     assert joined["output_ids"] == [1, 2, 3, 4, 5] and joined["text"] == "12345"
     meta = joined["meta_info"]
     assert [entry[1] for entry in meta["output_token_logprobs"]] == [1, 2, 3, 4, 5]
     assert meta["weight_version"] == "6", "a sample is as old as its oldest token (a part with none has no say)"
     assert meta["finish_reason"] == {"type": "stop"} and meta["completion_tokens"] == 5
     assert meta["prompt_tokens"] == 3 and meta["id"] == "r1"
-    assert _continued_seed(None, 5) is None and _continued_seed(11, 0) == 11
-    assert _continued_seed(11, 5) == _continued_seed(11, 5) != _continued_seed(11, 6) != 11
+    assert continued_seed(None, 5) is None and continued_seed(11, 0) == 11
+    assert continued_seed(11, 5) == continued_seed(11, 5) != continued_seed(11, 6) != 11
 
 
 def test_a_handed_off_part_that_ended_in_a_stop_token_or_at_the_limit_is_not_continued():
     """SGLang keeps the token of the decode step an abort lands in; the CPU engine aborts between
     steps, so this case is checked on the decision alone."""
-    assert _handed_off_finish([7, 8, 2], {2, 5}, generated=3, max_new_tokens=16) == {"type": "stop", "matched": 2}
-    assert _handed_off_finish([7, 8], {2, 5}, generated=16, max_new_tokens=16) == {"type": "length", "length": 16}
-    assert _handed_off_finish([7, 8], {2, 5}, generated=2, max_new_tokens=16) is None
-    assert _handed_off_finish([], {2, 5}, generated=0, max_new_tokens=16) is None, "aborted while queued: goes on"
+    assert handed_off_finish([7, 8, 2], {2, 5}, generated=3, max_new_tokens=16) == {"type": "stop", "matched": 2}
+    assert handed_off_finish([7, 8], {2, 5}, generated=16, max_new_tokens=16) == {"type": "length", "length": 16}
+    assert handed_off_finish([7, 8], {2, 5}, generated=2, max_new_tokens=16) is None
+    assert handed_off_finish([], {2, 5}, generated=0, max_new_tokens=16) is None, "aborted while queued: goes on"
 
 
 def test_update_weights_loads_refuses_corrupt_snapshots_and_survives_a_hung_engine(engines, models):

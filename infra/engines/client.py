@@ -18,7 +18,7 @@ engine runs out of this client's requests while another still holds two or more,
 aborts the newer half of those (/abort_request by the rid it gave them), and each answers with
 the tokens it has so far, as SGLang's abort does; the client sends the rest of each sample
 (prompt + tokens so far, the remaining max_new_tokens) to the least loaded engine and joins the
-parts into one answer: tokens and behaviour logprobs in order, the lowest weight version of a
+parts into one answer (handoff.py): tokens and behaviour logprobs in order, the lowest weight version of a
 part with tokens (what the lag bound is checked against), the last part's finish reason. Only
 single-sample requests the caller gave no rid are moved: a caller's rid is the caller's to abort.
 An abort the client did not send means someone is stopping the work (the generation flow at the
@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from infra.engines.api import SamplingParams
+from infra.engines.handoff import continued_seed, handed_off_finish, joined_parts
 
 log = logging.getLogger(__name__)
 RETRYABLE_STATUS = frozenset({500, 502, 503, 504})
@@ -194,7 +195,7 @@ class EngineClient:
         generated = 0
         stop_ids = set(params.stop_token_ids or ())
         while True:
-            seed = _continued_seed(params.sampling_seed, generated)
+            seed = continued_seed(params.sampling_seed, generated)
             part_params = params.model_copy(update={"max_new_tokens": params.max_new_tokens - generated, "sampling_seed": seed})
             body = {
                 "input_ids": input_ids + [t for part in parts for t in part["output_ids"]],
@@ -209,11 +210,11 @@ class EngineClient:
             parts.append(answer)
             generated += len(answer["output_ids"])
             if not (movable.handing_off and answer["meta_info"]["finish_reason"]["type"] == "abort"):
-                return _joined(parts, len(input_ids))
-            finish = _handed_off_finish(answer["output_ids"], stop_ids, generated, params.max_new_tokens)
+                return joined_parts(parts, len(input_ids))
+            finish = handed_off_finish(answer["output_ids"], stop_ids, generated, params.max_new_tokens)
             if finish is not None:
                 answer["meta_info"]["finish_reason"] = finish
-                return _joined(parts, len(input_ids))
+                return joined_parts(parts, len(input_ids))
 
     async def _post_balanced(self, path: str, body: dict, movable: _Movable | None = None):
         waited, delay, first_failure = 0.0, 0.05, None
@@ -416,41 +417,3 @@ class EngineClient:
             for e in self.endpoints
         ]  # fmt: skip
 
-
-def _continued_seed(seed: int | None, generated: int) -> int | None:
-    """The seed of a sample's part after `generated` tokens: the first part keeps the caller's,
-    a continuation gets one of its own, since replaying the seed's random stream from its start
-    would tie the continuation's draws to those that chose the tokens before it."""
-    if seed is None or generated == 0:
-        return seed
-    return random.Random(f"{seed}-{generated}").randrange(2**62)
-
-
-def _handed_off_finish(tokens: list[int], stop_ids: set[int], generated: int, max_new_tokens: int) -> dict | None:
-    """How a sample ends whose part was aborted to move it, or None: it goes on elsewhere.
-
-    SGLang may finish the decode step it was in when the abort came, and keeps that step's
-    token: a stop token there ends the sample (it is not one to continue from), as does
-    reaching max_new_tokens."""
-    if tokens and tokens[-1] in stop_ids:
-        return {"type": "stop", "matched": tokens[-1]}
-    if generated >= max_new_tokens:
-        return {"type": "length", "length": generated}
-    return None
-
-
-def _joined(parts: list[dict], prompt_tokens: int) -> dict:
-    """One sample's parts as one answer: tokens, text and logprobs in order, the last part's
-    finish reason, the lowest weight version of a part with tokens. (SGLang's answer to an abort
-    carries fewer meta_info fields than a finished one's: the prompt's size is the caller's.)"""
-    if len(parts) == 1:
-        return parts[0]
-    last = parts[-1]["meta_info"]
-    output_ids = [t for part in parts for t in part["output_ids"]]
-    meta = {**last, "id": parts[0]["meta_info"].get("id"), "prompt_tokens": prompt_tokens, "completion_tokens": len(output_ids)}
-    if "output_token_logprobs" in last:
-        meta["output_token_logprobs"] = [entry for part in parts for entry in part["meta_info"]["output_token_logprobs"]]
-    versions = [part["meta_info"].get("weight_version") for part in parts if part["output_ids"]] or [last.get("weight_version")]
-    numbered = [v for v in versions if isinstance(v, str) and v.isdigit()]
-    meta["weight_version"] = min(numbered, key=int) if numbered else versions[0]
-    return {**parts[-1], "output_ids": output_ids, "text": "".join(part.get("text", "") for part in parts), "meta_info": meta}
