@@ -1,8 +1,11 @@
-"""EngineFleet against real CPU engine processes: what it does to engines that a weight sync lost.
+"""EngineFleet against real engine processes: what it does to engines that a weight sync lost.
 
 A fleet pauses its engines twice per sync (the generator's pre-pause, then the sync's own), so an
-engine that hangs through a sync receives pauses it answers only once it runs again. The fault is
-real: SIGSTOP of the engine's process group, then SIGCONT.
+engine that hangs through a sync receives pauses it answers only once it runs again. Its control
+client outlives each sync, so it must not keep an engine out of later syncs once the engine
+answers again. The faults are real: SIGSTOP and SIGCONT of an engine's process group, SIGKILL and
+a restart on the same port, a load slower than the sync's timeout. The last two use sim engines,
+which start in about a second.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from configs.schema import EngineConfig
+from configs.schema import EngineConfig, SimLatencyConfig
 from infra.engines.fleet import EngineFleet
 from tests.conftest import committed_model_dir
 
@@ -48,3 +51,36 @@ def test_an_engine_that_hung_through_a_weight_sync_is_continued_when_it_answers_
         answer = httpx.post(f"{hung.url}/generate", json={"input_ids": [1, 20, 21], "sampling_params": {"max_new_tokens": 2}}, timeout=10)
         assert answer.status_code == 200
         assert answer.json()["meta_info"]["weight_version"] == "0", "it runs on the weights it has until the next sync"
+
+
+def engine_state(url: str) -> tuple[str, bool]:
+    info = httpx.get(f"{url}/server_info", timeout=5).json()
+    return info["weight_version"], info["paused"]
+
+
+def test_the_sync_after_a_restart_moves_the_restarted_engine_too(tmp_path: Path):
+    """Engine 0 dies, the v1 sync fails on it, `restart_dead` starts it on v1, and the v2 sync
+    follows at once, as in the generation loop: before the control client's probe has seen the
+    new process."""
+    models = [committed_model_dir(tmp_path / f"v{i}", seed=i) for i in range(3)]
+    with EngineFleet(EngineConfig(backend="sim"), 2, models[0], 0, tmp_path / "logs") as fleet:
+        fleet.processes[0].kill()
+        assert [r.ok for r in fleet.update_weights(models[1], 1, timeout=5)] == [False, True]
+        assert fleet.restart_dead() == [fleet.urls[0]]
+        fleet.pause()
+        results = fleet.update_weights(models[2], 2, timeout=5)
+        assert [(r.ok, r.weight_version) for r in results] == [(True, "2"), (True, "2")], results
+        assert [engine_state(url) for url in fleet.urls] == [("2", False), ("2", False)]
+
+
+def test_the_sync_after_one_that_timed_out_on_a_slow_engine_moves_and_continues_it(tmp_path: Path):
+    """The v1 load takes about 3 s against a 1 s timeout: the sync gives up on the engine (alive,
+    continued, out of rotation). The next pre-pause and sync follow at once."""
+    models = [committed_model_dir(tmp_path / f"v{i}", seed=i) for i in range(3)]
+    slow = EngineConfig(backend="sim", sim=SimLatencyConfig(load_s_per_gb=1500))
+    with EngineFleet(slow, 1, models[0], 0, tmp_path / "logs") as fleet:
+        assert [r.ok for r in fleet.update_weights(models[1], 1, timeout=1.0)] == [False]
+        fleet.pause()
+        results = fleet.update_weights(models[2], 2, timeout=15)
+        assert [(r.ok, r.weight_version) for r in results] == [(True, "2")], results
+        assert engine_state(fleet.urls[0]) == ("2", False)

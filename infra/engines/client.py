@@ -323,6 +323,7 @@ class EngineClient:
                             await self._control(endpoint, "/continue_generation", {}, timeout=5.0)
                         except (*TRANSPORT_ERRORS, EngineRequestError):
                             continue
+                        endpoint.paused = False
                     endpoint.weight_version = await self._weight_version(endpoint.url)
                     endpoint.healthy = True
                     self._take_stragglers(endpoint)
@@ -348,14 +349,17 @@ class EngineClient:
     async def update_weights(
         self, model_path: str, weight_version: str, timeout: float = 120.0, pause_mode: str = "in_place"
     ) -> list[WeightSyncResult]:
-        """Pause, load and continue every healthy engine concurrently, each within `timeout` s.
+        """Pause, load and continue every engine concurrently, each within `timeout` s.
 
-        One result per engine, in the client's order; an engine out of rotation is not tried and
-        is reported failed, so that `all(r.ok ...)` means every engine is on the new weights."""
+        One result per engine, in the client's order, so that `all(r.ok ...)` means every engine
+        is on the new weights. An engine out of rotation is synced too if its /health answers now,
+        without waiting for the probe: one restarted on its port, or one that a sync gave up on
+        and that runs again, would otherwise miss this version; one that does not answer is
+        reported failed."""
 
         async def one(endpoint: Endpoint) -> WeightSyncResult:
-            if not endpoint.healthy:
-                return WeightSyncResult(endpoint.url, False, endpoint.weight_version, "skipped: out of rotation")
+            if not endpoint.healthy and not await self.is_healthy(endpoint.url):
+                return WeightSyncResult(endpoint.url, False, endpoint.weight_version, "skipped: out of rotation, /health does not answer")
             return await self._update_one(endpoint, model_path, weight_version, timeout, pause_mode)
 
         return list(await asyncio.gather(*(one(e) for e in self.endpoints)))
@@ -363,7 +367,11 @@ class EngineClient:
     async def pause(self, mode: str = "in_place", timeout: float = 10.0) -> bool:
         """Pause every engine: a request sent from now on waits in its queue until the engine is
         continued (SGLang's tokenizer manager holds it before tokenizing; tandem's engines queue
-        it). True only if every engine confirmed, within `timeout` s."""
+        it). True only if every engine confirmed, within `timeout` s. Each is marked paused
+        before its pause is sent: one that hangs may take the pause when it runs again, and the
+        probe then continues it."""
+        for endpoint in self.endpoints:
+            endpoint.paused = True
         answers = await asyncio.gather(
             *(self._control(e, "/pause_generation", {"mode": mode}, timeout=timeout) for e in self.endpoints),
             return_exceptions=True,

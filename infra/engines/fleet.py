@@ -15,7 +15,9 @@ synchronous). Why not a client per call: an engine that hangs through a sync (st
 gets pauses that it only answers once it runs again, and the client that gave up on it must be
 there then to continue it: its health probe does that (infra/engines/client.py). A client closed
 after the call left such an engine paused, holding every request sent to it, until the next
-version's sync. Continued, the engine runs on its old weights, which it reports, until then.
+version's sync. Continued, the engine runs on the weights it has, which its answers report, until
+the next sync, which tries every engine that answers /health. Use the fleet as a context manager:
+the portal's thread runs until `stop`.
 """
 
 from __future__ import annotations
@@ -82,10 +84,12 @@ class EngineFleet:
         return self
 
     def stop(self) -> None:
-        self._control.close()
-        self._portal = self._client = None
-        for process in self.processes:
-            process.stop()
+        try:
+            self._control.close()
+        finally:
+            self._portal = self._client = None
+            for process in self.processes:
+                process.stop()
 
     def restart_dead(self, timeout: float = 300.0) -> list[str]:
         """Start again every engine whose process has exited, on the fleet's current weights."""
@@ -107,8 +111,7 @@ class EngineFleet:
 
     def update_weights(self, model_dir: Path, version: int, timeout: float = 120.0) -> list[WeightSyncResult]:
         """Pause, load snapshot `version` (a verified local directory) and continue every engine
-        in rotation; an engine out of it (a sync gave up on it and it has not answered since) is
-        reported failed and keeps its weights."""
+        that answers; one that does not (hung, or dead until `restart_dead`) is reported failed."""
         results = self._run(lambda client: client.update_weights(str(model_dir), str(version), timeout))
         self.model_dir, self.version = model_dir, version
         return results
