@@ -143,25 +143,29 @@ class EmbeddedRun:
 
 
 def kill_engine(run: EmbeddedRun, rng: random.Random) -> str:
-    """SIGKILL one of the generator's engines, once its generator has loaded a snapshot past v0
-    (its `weights_loaded` record, flushed within 2 s): the row shows that the engine comes back
-    on the fleet's weights, not the initial model's. Killed between the first publish and that
-    load, it would come back on v0, rightly, and show nothing: a race with the generator's next
-    poll that tests/test_faults.py, which asserts a restart past v0, could lose."""
+    """SIGKILL one of the generator's engines a seeded 0-3 s after its generator has its engines
+    on a snapshot past v0 (by its metrics records, written within seconds): the row shows that
+    the engine comes back on the fleet's weights, not the initial model's. Killed between the
+    first publish and that load, it would come back on v0, rightly, and show nothing: a race
+    with the generator's next poll that tests/test_faults.py, which asserts a restart past v0,
+    could lose."""
     deadline = time.monotonic() + 120
-    while not _generator_loaded_past_v0(run.store) and time.monotonic() < deadline:
+    while not _engines_past_v0(run.store):
+        if run.process.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError("the generator's engines never loaded a snapshot past v0")
         time.sleep(0.1)
+    time.sleep(rng.uniform(0.0, 3.0))
     victim = rng.choice(run.children("engine serve"))
     run.struck_at = time.time()
     os.kill(victim, signal.SIGKILL)
     return f"engine pid {victim} SIGKILLed"
 
 
-def _generator_loaded_past_v0(store: RunStore) -> bool:
+def _engines_past_v0(store: RunStore) -> bool:
     for key in store.list("metrics"):
         component = key.rsplit("/", 1)[-1].removesuffix(".jsonl")
         if component.startswith("generator-") and any(
-            r["event"] == "weights_loaded" and r["version"] >= 1 for r in read_metrics(store, component)
+            r["event"] in ("engines_started", "weights_loaded") and r["version"] >= 1 for r in read_metrics(store, component)
         ):
             return True
     return False

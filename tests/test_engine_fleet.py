@@ -75,12 +75,16 @@ def test_the_sync_after_a_restart_moves_the_restarted_engine_too(tmp_path: Path)
 
 def test_the_sync_after_one_that_timed_out_on_a_slow_engine_moves_and_continues_it(tmp_path: Path):
     """The v1 load takes about 3 s against a 1 s timeout: the sync gives up on the engine (alive,
-    continued, out of rotation). The next pre-pause and sync follow at once."""
+    continued, out of rotation). The next pre-pause holds it paused, although the control
+    client's probe, which continues an engine left paused, runs every 0.5 s meanwhile; then the
+    sync moves and continues it."""
     models = [committed_model_dir(tmp_path / f"v{i}", seed=i) for i in range(3)]
     slow = EngineConfig(backend="sim", sim=SimLatencyConfig(load_s_per_gb=1500))
     with EngineFleet(slow, 1, models[0], 0, tmp_path / "logs") as fleet:
         assert [r.ok for r in fleet.update_weights(models[1], 1, timeout=1.0)] == [False]
-        fleet.pause()
+        assert fleet.pause() is True
+        time.sleep(2.0)
+        assert engine_state(fleet.urls[0])[1] is True, "the probe continued an engine held paused for a sync"
         results = fleet.update_weights(models[2], 2, timeout=15)
         assert [(r.ok, r.weight_version) for r in results] == [(True, "2")], results
         assert engine_state(fleet.urls[0]) == ("2", False)

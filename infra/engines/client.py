@@ -28,8 +28,9 @@ every request in flight has answered, or continuations would undo it.
 `update_weights` moves every engine to a new snapshot with SGLang's documented order (pause ->
 update_weights_from_disk -> continue), each engine under its own timeout, and reports which
 engine is on which weight version, so one stuck engine cannot hang a weight sync. An engine given
-up on mid-sync is out of rotation; when its /health answers again the probe sends the
-/continue_generation it missed before putting it back.
+up on mid-sync is out of rotation; once it answers again the probe sends the /continue_generation
+it missed (unless a caller holds it paused for the next sync: `pause` until `update_weights` ends)
+before putting it back.
 
 HTTP goes through aiohttp, not httpx: httpcore's connection pool checks every pooled connection
 with a syscall each time a request starts or ends, which cost 3-4 ms of client CPU per /generate
@@ -94,6 +95,12 @@ class Endpoint:
     """This client's single-sample requests in flight here by rid, oldest first."""
     paused: bool = False
     """This client sent /pause_generation and no /continue_generation has been answered since."""
+    held: bool = False
+    """A caller holds the engine paused on purpose: from `pause` to the end of the `update_weights`
+    that follows it, or through a sync. The probe continues only an engine nobody holds."""
+    control: asyncio.Lock = field(default_factory=asyncio.Lock)
+    """Taken by the probe from its check of `held` to its continue's answer, and by whoever sets
+    `held`: so that no pause is sent between the two and then undone by that continue."""
 
 
 @dataclass
@@ -312,27 +319,42 @@ class EngineClient:
             self._prober = asyncio.create_task(self._probe_unhealthy())
 
     async def _probe_unhealthy(self) -> None:
-        """Bring engines back into rotation once their /health answers again."""
+        """Bring engines back into rotation once their /health answers again; first continue
+        one that a weight sync gave up on."""
         while True:
             for endpoint in [e for e in self.endpoints if not e.healthy]:
+                if endpoint.paused and not await self._continue_left_paused(endpoint):
+                    continue
                 if await self.is_healthy(endpoint.url):
-                    if endpoint.paused:
-                        # A weight sync gave up on it mid-way (hung, then recovered): the pause
-                        # it sent may have landed, and a paused engine would hold every request.
-                        try:
-                            await self._control(endpoint, "/continue_generation", {}, timeout=5.0)
-                        except (*TRANSPORT_ERRORS, EngineRequestError):
-                            continue
-                        endpoint.paused = False
                     endpoint.weight_version = await self._weight_version(endpoint.url)
                     endpoint.healthy = True
                     self._take_stragglers(endpoint)
                     log.info("engine %s back in rotation (weights %s)", endpoint.url, endpoint.weight_version)
             await asyncio.sleep(self.health_interval)
 
+    async def _continue_left_paused(self, endpoint: Endpoint) -> bool:
+        """Continue an engine that a sync gave up on (it hung, and runs again: the pauses it was
+        sent may have landed, and a paused engine holds every request); True once it is continued.
+        Whether it runs is asked of /model_info, not /health: SGLang's /health generates a token,
+        which waits while the engine is paused."""
+        if not await self._answers(endpoint.url, "/model_info"):
+            return False
+        async with endpoint.control:
+            if endpoint.held:
+                return False
+            try:
+                await self._control(endpoint, "/continue_generation", {}, timeout=5.0)
+            except (*TRANSPORT_ERRORS, EngineRequestError):
+                return False
+            endpoint.paused = False
+        return True
+
     async def is_healthy(self, url: str) -> bool:
+        return await self._answers(url, "/health")
+
+    async def _answers(self, url: str, path: str) -> bool:
         try:
-            async with self.http.get(url + "/health", timeout=aiohttp.ClientTimeout(total=2.0)) as response:
+            async with self.http.get(url + path, timeout=aiohttp.ClientTimeout(total=2.0)) as response:
                 return response.status == 200
         except TRANSPORT_ERRORS:
             return False
@@ -352,24 +374,33 @@ class EngineClient:
         """Pause, load and continue every engine concurrently, each within `timeout` s.
 
         One result per engine, in the client's order, so that `all(r.ok ...)` means every engine
-        is on the new weights. An engine out of rotation is synced too if its /health answers now,
-        without waiting for the probe: one restarted on its port, or one that a sync gave up on
-        and that runs again, would otherwise miss this version; one that does not answer is
-        reported failed."""
+        is on the new weights. An engine out of rotation is synced too if it answers /model_info
+        now (which a paused SGLang engine does, unlike /health), without waiting for the probe:
+        one restarted on its port, or one that a sync gave up on and that runs again, would
+        otherwise miss this version; one that does not answer is reported failed. Every engine
+        is held (see `Endpoint.held`) until all are done; then the probe may continue one that
+        this sync left paused."""
 
         async def one(endpoint: Endpoint) -> WeightSyncResult:
-            if not endpoint.healthy and not await self.is_healthy(endpoint.url):
-                return WeightSyncResult(endpoint.url, False, endpoint.weight_version, "skipped: out of rotation, /health does not answer")
+            if not endpoint.healthy and not await self._answers(endpoint.url, "/model_info"):
+                return WeightSyncResult(endpoint.url, False, endpoint.weight_version, "skipped: out of rotation, not answering")
             return await self._update_one(endpoint, model_path, weight_version, timeout, pause_mode)
 
-        return list(await asyncio.gather(*(one(e) for e in self.endpoints)))
+        await self._hold(self.endpoints)
+        try:
+            return list(await asyncio.gather(*(one(e) for e in self.endpoints)))
+        finally:
+            for endpoint in self.endpoints:
+                endpoint.held = False
 
     async def pause(self, mode: str = "in_place", timeout: float = 10.0) -> bool:
         """Pause every engine: a request sent from now on waits in its queue until the engine is
         continued (SGLang's tokenizer manager holds it before tokenizing; tandem's engines queue
-        it). True only if every engine confirmed, within `timeout` s. Each is marked paused
-        before its pause is sent: one that hangs may take the pause when it runs again, and the
-        probe then continues it."""
+        it). True only if every engine confirmed, within `timeout` s. Every engine is held
+        paused until the `update_weights` that must follow has ended (the probe continues none of
+        them meanwhile), and marked paused before its pause is sent: one that hangs may take the
+        pause when it runs again, after that sync, and the probe then continues it."""
+        await self._hold(self.endpoints)
         for endpoint in self.endpoints:
             endpoint.paused = True
         answers = await asyncio.gather(
@@ -377,6 +408,12 @@ class EngineClient:
             return_exceptions=True,
         )
         return not any(isinstance(answer, BaseException) for answer in answers)
+
+    async def _hold(self, endpoints: list[Endpoint]) -> None:
+        """Mark `endpoints` held, each once no probe is between its check and its continue."""
+        for endpoint in endpoints:
+            async with endpoint.control:
+                endpoint.held = True
 
     async def _update_one(
         self, endpoint: Endpoint, model_path: str, weight_version: str, timeout: float, pause_mode: str
@@ -412,8 +449,10 @@ class EngineClient:
                 raise EngineRequestError(response.status, (await response.text())[:500])
 
     async def abort_all(self) -> None:
+        """Abort every engine's requests, also on an engine out of rotation (it may still run
+        some); one that does not answer within 5 s is skipped."""
         await asyncio.gather(
-            *(self._control(e, "/abort_request", {"abort_all": True}) for e in self.endpoints if e.healthy),
+            *(self._control(e, "/abort_request", {"abort_all": True}, timeout=5.0) for e in self.endpoints),
             return_exceptions=True,
         )
 

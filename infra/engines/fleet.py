@@ -16,7 +16,7 @@ gets pauses that it only answers once it runs again, and the client that gave up
 there then to continue it: its health probe does that (infra/engines/client.py). A client closed
 after the call left such an engine paused, holding every request sent to it, until the next
 version's sync. Continued, the engine runs on the weights it has, which its answers report, until
-the next sync, which tries every engine that answers /health. Use the fleet as a context manager:
+the next sync, which tries every engine that answers. Use the fleet as a context manager:
 the portal's thread runs until `stop`.
 """
 
