@@ -342,8 +342,8 @@ class EngineClient:
         async with endpoint.control:
             if endpoint.held:
                 return False
-            try:
-                await self._control(endpoint, "/continue_generation", {}, timeout=5.0)
+            try:  # a short timeout: `pause` and `update_weights` wait for this lock
+                await self._control(endpoint, "/continue_generation", {}, timeout=2.0)
             except (*TRANSPORT_ERRORS, EngineRequestError):
                 return False
             endpoint.paused = False
@@ -387,11 +387,14 @@ class EngineClient:
             return await self._update_one(endpoint, model_path, weight_version, timeout, pause_mode)
 
         await self._hold(self.endpoints)
-        try:
-            return list(await asyncio.gather(*(one(e) for e in self.endpoints)))
+        try:  # every engine's sync ends before any is released to the probe
+            results = await asyncio.gather(*(one(e) for e in self.endpoints), return_exceptions=True)
         finally:
             for endpoint in self.endpoints:
                 endpoint.held = False
+        if errors := [r for r in results if isinstance(r, BaseException)]:
+            raise errors[0]
+        return results
 
     async def pause(self, mode: str = "in_place", timeout: float = 10.0) -> bool:
         """Pause every engine: a request sent from now on waits in its queue until the engine is

@@ -106,7 +106,9 @@ class EngineFleet:
         """Pause every engine, so that work sent to it waits until `update_weights` continues
         it; True if every engine confirmed. (update_weights pauses again: a pause is idempotent.)
         A healthy engine confirms in milliseconds; the short timeout keeps one hung engine from
-        holding the healthy ones paused, which update_weights then continues after their loads."""
+        holding the healthy ones paused, which update_weights then continues after their loads.
+        (The control client's probe, continuing an engine a sync left paused, may delay the
+        pause by up to its own 2 s timeout.)"""
         return self._run(lambda client: client.pause("in_place", timeout))
 
     def update_weights(self, model_dir: Path, version: int, timeout: float = 120.0) -> list[WeightSyncResult]:
@@ -117,8 +119,8 @@ class EngineFleet:
         return results
 
     def abort_all(self) -> None:
-        """Abort every request the engines in rotation are running or queueing (they answer it
-        with finish_reason abort)."""
+        """Abort every request the engines are running or queueing (they answer it with
+        finish_reason abort); one that does not answer within 5 s is skipped."""
         self._run(lambda client: client.abort_all())
 
     def _run(self, control: Callable[[EngineClient], Awaitable[T]]) -> T:

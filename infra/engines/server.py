@@ -152,7 +152,11 @@ def create_app(engine: ScheduledEngine, api_key: str | None = None, max_body_byt
 
     @app.post("/pause_generation")
     async def pause_generation(body: PauseGenerationRequest):
-        aborted = await run_in_threadpool(engine.pause, body.mode)
+        # The pause itself is set here, on the event loop like /continue_generation, so that the two
+        # take effect in the order they arrived, as SGLang's do: a pause sent to an engine that was
+        # stopped (SIGSTOP) runs when it resumes, before a continue sent after it answered again.
+        engine.pause("in_place")
+        aborted = await run_in_threadpool(engine.abort, None, True) if body.mode == "abort" else 0
         return {"success": True, "message": f"paused ({body.mode}); aborted {aborted} requests"}
 
     @app.post("/continue_generation")
