@@ -24,6 +24,7 @@ import uvicorn
 from configs.schema import ModelConfig
 from infra.engines.api import SamplingParams
 from infra.engines.client import KEEPALIVE_SECONDS, EngineClient, EngineRequestError, NoHealthyEngine
+from infra.engines.control import EngineControl
 from infra.engines.handoff import continued_seed, handed_off_finish, joined_parts
 from infra.engines.process import EngineProcess, cpu_engine_process
 from infra.modelfactory import save_tiny_model
@@ -318,7 +319,7 @@ def test_update_weights_loads_refuses_corrupt_snapshots_and_survives_a_hung_engi
     versions = lambda: [engines.get(i, "/model_info")["weight_version"] for i in range(2)]  # noqa: E731
 
     async def scenario():
-        async with EngineClient(engines.urls, api_key=API_KEY, health_interval=0.2) as client:
+        async with EngineControl(engines.urls, api_key=API_KEY, health_interval=0.2) as client:
             loaded = await client.update_weights(str(models["v1"]), "1", timeout=60)
             assert [r.ok for r in loaded] == [True, True], loaded
             assert [r.weight_version for r in loaded] == ["1", "1"]

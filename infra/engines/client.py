@@ -25,14 +25,8 @@ An abort the client did not send means someone is stopping the work (the generat
 end of a run aborts every engine's requests through its own client): it holds hand-offs until
 every request in flight has answered, or continuations would undo it.
 
-`update_weights` moves every engine to a new snapshot with SGLang's documented order (pause ->
-update_weights_from_disk -> continue), each engine under its own timeout, and reports which
-engine is on which weight version, so one stuck engine cannot hang a weight sync. An engine given
-up on mid-sync is out of rotation; once it answers again the probe sends the /continue_generation
-it missed (unless a caller holds it paused for the next sync: `pause` until `update_weights` ends)
-before putting it back.
-
-HTTP goes through aiohttp, not httpx: httpcore's connection pool checks every pooled connection
+Weight syncs, pauses and aborts are `EngineControl` (control.py), the same client with the
+requests a fleet's owner sends. HTTP goes through aiohttp, not httpx: httpcore's connection pool checks every pooled connection
 with a syscall each time a request starts or ends, which cost 3-4 ms of client CPU per /generate
 at 32 requests in flight (14x aiohttp's 0.25 ms) and capped a rollout worker near 200 requests/s
 (benchmarks/engine.py).
@@ -96,21 +90,11 @@ class Endpoint:
     paused: bool = False
     """This client sent /pause_generation and no /continue_generation has been answered since."""
     held: bool = False
-    """A caller holds the engine paused on purpose: from `pause` to the end of the `update_weights`
-    that follows it, or through a sync. The probe continues only an engine nobody holds."""
+    """A caller holds the engine paused on purpose (control.py): from `pause` to the end of the
+    `update_weights` that follows it, or through a sync. The probe continues only an engine nobody holds."""
     control: asyncio.Lock = field(default_factory=asyncio.Lock)
     """Taken by the probe from its check of `held` to its continue's answer, and by whoever sets
     `held`: so that no pause is sent between the two and then undone by that continue."""
-
-
-@dataclass
-class WeightSyncResult:
-    """How one engine's update went."""
-
-    url: str
-    ok: bool
-    weight_version: str | None
-    message: str
 
 
 KEEPALIVE_SECONDS = 3.0
@@ -342,7 +326,7 @@ class EngineClient:
         async with endpoint.control:
             if endpoint.held:
                 return False
-            try:  # a short timeout: `pause` and `update_weights` wait for this lock
+            try:  # a short timeout: EngineControl's pause and update_weights wait for this lock
                 await self._control(endpoint, "/continue_generation", {}, timeout=2.0)
             except (*TRANSPORT_ERRORS, EngineRequestError):
                 return False
@@ -368,96 +352,10 @@ class EngineClient:
 
     # -- control ----------------------------------------------------------------------------
 
-    async def update_weights(
-        self, model_path: str, weight_version: str, timeout: float = 120.0, pause_mode: str = "in_place"
-    ) -> list[WeightSyncResult]:
-        """Pause, load and continue every engine concurrently, each within `timeout` s.
-
-        One result per engine, in the client's order, so that `all(r.ok ...)` means every engine
-        is on the new weights. An engine out of rotation is synced too if it answers /model_info
-        now (which a paused SGLang engine does, unlike /health), without waiting for the probe:
-        one restarted on its port, or one that a sync gave up on and that runs again, would
-        otherwise miss this version; one that does not answer is reported failed. Every engine
-        is held (see `Endpoint.held`) until all are done; then the probe may continue one that
-        this sync left paused."""
-
-        async def one(endpoint: Endpoint) -> WeightSyncResult:
-            if not endpoint.healthy and not await self._answers(endpoint.url, "/model_info"):
-                return WeightSyncResult(endpoint.url, False, endpoint.weight_version, "skipped: out of rotation, not answering")
-            return await self._update_one(endpoint, model_path, weight_version, timeout, pause_mode)
-
-        await self._hold(self.endpoints)
-        try:  # every engine's sync ends before any is released to the probe
-            results = await asyncio.gather(*(one(e) for e in self.endpoints), return_exceptions=True)
-        finally:
-            for endpoint in self.endpoints:
-                endpoint.held = False
-        if errors := [r for r in results if isinstance(r, BaseException)]:
-            raise errors[0]
-        return results
-
-    async def pause(self, mode: str = "in_place", timeout: float = 10.0) -> bool:
-        """Pause every engine: a request sent from now on waits in its queue until the engine is
-        continued (SGLang's tokenizer manager holds it before tokenizing; tandem's engines queue
-        it). True only if every engine confirmed, within `timeout` s. Every engine is held
-        paused until the `update_weights` that must follow has ended (the probe continues none of
-        them meanwhile), and marked paused before its pause is sent: one that hangs may take the
-        pause when it runs again, after that sync, and the probe then continues it."""
-        await self._hold(self.endpoints)
-        for endpoint in self.endpoints:
-            endpoint.paused = True
-        answers = await asyncio.gather(
-            *(self._control(e, "/pause_generation", {"mode": mode}, timeout=timeout) for e in self.endpoints),
-            return_exceptions=True,
-        )
-        return not any(isinstance(answer, BaseException) for answer in answers)
-
-    async def _hold(self, endpoints: list[Endpoint]) -> None:
-        """Mark `endpoints` held, each once no probe is between its check and its continue."""
-        for endpoint in endpoints:
-            async with endpoint.control:
-                endpoint.held = True
-
-    async def _update_one(
-        self, endpoint: Endpoint, model_path: str, weight_version: str, timeout: float, pause_mode: str
-    ) -> WeightSyncResult:
-        async def sequence() -> WeightSyncResult:
-            endpoint.paused = True  # before sending: the pause may land even if we give up waiting
-            await self._control(endpoint, "/pause_generation", {"mode": pause_mode})
-            try:
-                async with self.http.post(
-                    endpoint.url + "/update_weights_from_disk",
-                    json={"model_path": model_path, "weight_version": weight_version},
-                    timeout=aiohttp.ClientTimeout(total=timeout),
-                ) as response:
-                    answer = json.loads(await response.read())
-            finally:
-                # Also runs when the timeout cancels the load: un-pause an engine that is slow but
-                # alive, within a short grace, so that a hung one still cannot hold the sync.
-                await self._control(endpoint, "/continue_generation", {}, timeout=min(timeout, 5.0))
-                endpoint.paused = False
-            if response.status == 200 and answer.get("success"):
-                endpoint.weight_version = weight_version
-            return WeightSyncResult(endpoint.url, bool(answer.get("success")), endpoint.weight_version, answer.get("message", ""))
-
-        try:
-            return await asyncio.wait_for(sequence(), timeout)
-        except (*TRANSPORT_ERRORS, EngineRequestError, ValueError) as err:
-            self._mark_unhealthy(endpoint, f"weight update failed: {err!r}")
-            return WeightSyncResult(endpoint.url, False, endpoint.weight_version, f"failed: {err!r}")
-
     async def _control(self, endpoint: Endpoint, path: str, body: dict, timeout: float = 30.0) -> None:
         async with self.http.post(endpoint.url + path, json=body, timeout=aiohttp.ClientTimeout(total=timeout)) as response:
             if response.status >= 400:
                 raise EngineRequestError(response.status, (await response.text())[:500])
-
-    async def abort_all(self) -> None:
-        """Abort every engine's requests, also on an engine out of rotation (it may still run
-        some); one that does not answer within 5 s is skipped."""
-        await asyncio.gather(
-            *(self._control(e, "/abort_request", {"abort_all": True}, timeout=5.0) for e in self.endpoints),
-            return_exceptions=True,
-        )
 
     def status(self) -> list[dict]:
         """Per engine: URL, in rotation or not, outstanding, completed and handed-off requests, weight version."""

@@ -9,8 +9,8 @@ pause -> load -> continue and records the version the fleet is on; a `pause` fir
 generator send the work that needs the new weights while they load: it waits in the engines'
 queues and runs on them from its first token (tasks/generator.py).
 
-The fleet sends its pauses, loads and aborts through one `EngineClient` that lives as long as the
-engines do, on an event loop of its own (an anyio blocking portal, so the fleet's callers stay
+The fleet sends its pauses, loads and aborts through one `EngineControl` (control.py) that lives
+as long as the engines do, on an event loop of its own (an anyio blocking portal, so the fleet's callers stay
 synchronous). Why not a client per call: an engine that hangs through a sync (stopped, swapping)
 gets pauses that it only answers once it runs again, and the client that gave up on it must be
 there then to continue it: its health probe does that (infra/engines/client.py). A client closed
@@ -31,7 +31,7 @@ from typing import TypeVar
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from configs.schema import EngineConfig
-from infra.engines.client import EngineClient, WeightSyncResult
+from infra.engines.control import EngineControl, WeightSyncResult
 from infra.engines.process import EngineProcess, cpu_engine_process
 from infra.ports import free_port_block
 
@@ -53,7 +53,7 @@ class EngineFleet:
         self.restarts = 0
         self._control = ExitStack()
         self._portal: BlockingPortal | None = None
-        self._client: EngineClient | None = None
+        self._client: EngineControl | None = None
 
     @property
     def urls(self) -> list[str]:
@@ -76,7 +76,7 @@ class EngineFleet:
             for process in self.processes:
                 process.wait_healthy(timeout)
             self._portal = self._control.enter_context(start_blocking_portal())
-            client = EngineClient(self.urls, api_key=self.api_key)
+            client = EngineControl(self.urls, api_key=self.api_key)
             self._client = self._control.enter_context(self._portal.wrap_async_context_manager(client))
         except BaseException:
             self.stop()
@@ -123,7 +123,7 @@ class EngineFleet:
         finish_reason abort); one that does not answer within 5 s is skipped."""
         self._run(lambda client: client.abort_all())
 
-    def _run(self, control: Callable[[EngineClient], Awaitable[T]]) -> T:
+    def _run(self, control: Callable[[EngineControl], Awaitable[T]]) -> T:
         """Run one control exchange with the fleet's client, on the fleet's event loop."""
         if self._portal is None or self._client is None:
             raise RuntimeError("start the fleet (EngineFleet.start, or `with fleet:`) before sending it control requests")
