@@ -18,15 +18,17 @@ engine runs out of this client's requests while another still holds two or more,
 aborts the newer half of those (/abort_request by the rid it gave them), and each answers with
 the tokens it has so far, as SGLang's abort does; the client sends the rest of each sample
 (prompt + tokens so far, the remaining max_new_tokens) to the least loaded engine and joins the
-parts into one answer (handoff.py): tokens and behaviour logprobs in order, the lowest weight version of a
-part with tokens (what the lag bound is checked against), the last part's finish reason. Only
-single-sample requests the caller gave no rid are moved: a caller's rid is the caller's to abort.
-An abort the client did not send means someone is stopping the work (the generation flow at the
-end of a run aborts every engine's requests through its own client): it holds hand-offs until
-every request in flight has answered, or continuations would undo it.
+parts into one answer (handoff.py): tokens and behaviour logprobs in order, the lowest weight
+version of a part with tokens (what the lag bound is checked against), the last part's finish
+reason. Only single-sample requests the caller gave no rid are moved: a caller's rid is the
+caller's to abort. An abort the client did not send means someone is stopping the work (the
+generation flow at the end of a run aborts every engine's requests through its own client): it
+holds hand-offs until every request in flight has answered, or continuations would undo it.
 
 Weight syncs, pauses and aborts are `EngineControl` (control.py), the same client with the
-requests a fleet's owner sends. HTTP goes through aiohttp, not httpx: httpcore's connection pool checks every pooled connection
+requests a fleet's owner sends.
+
+HTTP goes through aiohttp, not httpx: httpcore's connection pool checks every pooled connection
 with a syscall each time a request starts or ends, which cost 3-4 ms of client CPU per /generate
 at 32 requests in flight (14x aiohttp's 0.25 ms) and capped a rollout worker near 200 requests/s
 (benchmarks/engine.py).
@@ -91,7 +93,8 @@ class Endpoint:
     """This client sent /pause_generation and no /continue_generation has been answered since."""
     held: bool = False
     """A caller holds the engine paused on purpose (control.py): from `pause` to the end of the
-    `update_weights` that follows it, or through a sync. The probe continues only an engine nobody holds."""
+    `update_weights` that follows it, or through a sync. The probe continues only an engine
+    nobody holds."""
     control: asyncio.Lock = field(default_factory=asyncio.Lock)
     """Taken by the probe from its check of `held` to its continue's answer, and by whoever sets
     `held`: so that no pause is sent between the two and then undone by that continue."""
@@ -350,7 +353,7 @@ class EngineClient:
         except (*TRANSPORT_ERRORS, ValueError):
             return None
 
-    # -- control ----------------------------------------------------------------------------
+    # -- requests to one engine ----------------------------------------------------------------
 
     async def _control(self, endpoint: Endpoint, path: str, body: dict, timeout: float = 30.0) -> None:
         async with self.http.post(endpoint.url + path, json=body, timeout=aiohttp.ClientTimeout(total=timeout)) as response:

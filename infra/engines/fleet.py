@@ -10,8 +10,8 @@ generator send the work that needs the new weights while they load: it waits in 
 queues and runs on them from its first token (tasks/generator.py).
 
 The fleet sends its pauses, loads and aborts through one `EngineControl` (control.py) that lives
-as long as the engines do, on an event loop of its own (an anyio blocking portal, so the fleet's callers stay
-synchronous). Why not a client per call: an engine that hangs through a sync (stopped, swapping)
+as long as the engines do, on an event loop of its own (an anyio blocking portal, so the fleet's
+callers stay synchronous). Why not a client per call: an engine that hangs through a sync (stopped, swapping)
 gets pauses that it only answers once it runs again, and the client that gave up on it must be
 there then to continue it: its health probe does that (infra/engines/client.py). A client closed
 after the call left such an engine paused, holding every request sent to it, until the next
