@@ -21,7 +21,7 @@ import httpx
 import pytest
 import uvicorn
 
-from configs.schema import ModelConfig
+from configs.schema import ModelConfig, SimLatencyConfig
 from infra.engines.api import SamplingParams
 from infra.engines.client import KEEPALIVE_SECONDS, EngineClient, EngineRequestError, NoHealthyEngine
 from infra.engines.control import EngineControl
@@ -55,15 +55,16 @@ def models(tmp_path_factory) -> dict[str, Path]:
 class Engines:
     """Two CPU engine processes; `restart(i)` starts engine i again on its port."""
 
-    def __init__(self, model: Path, log_dir: Path):
+    def __init__(self, model: Path, log_dir: Path, sim_latency: SimLatencyConfig | None = None):
         self.model = model
         self.log_dir = log_dir
+        self.sim_latency = sim_latency
         base = free_port_block(count=2)
         self.ports = [base, base + 1]
         self.processes: list[EngineProcess] = [self._process(port) for port in self.ports]
 
     def _process(self, port: int) -> EngineProcess:
-        return cpu_engine_process(self.model, port, self.log_dir / f"engine-{port}.log", api_key=API_KEY)
+        return cpu_engine_process(self.model, port, self.log_dir / f"engine-{port}.log", api_key=API_KEY, sim_latency=self.sim_latency)
 
     @property
     def urls(self) -> list[str]:
@@ -200,27 +201,27 @@ def test_a_request_that_timed_out_on_a_hung_engine_is_answered_by_another(engine
     assert status[0]["failures"] >= 1 and status[0]["completed"] == 0 and status[1]["completed"] == 8, status
 
 
-def test_a_request_that_keeps_hanging_on_engines_that_answer_health_gives_up_in_bounded_time(engines):
-    """Both engines paused: they answer /health, so the probe puts each back in rotation, but
-    they hold every request until its timeout (2 s). With 2 s of backoff allowed, backoff alone
-    would allow six such attempts (about 13.5 s); the wall time from the first failure is capped
-    at retry_seconds + request_timeout, so the request gives up after about three."""
+def test_a_request_that_keeps_hanging_on_engines_that_answer_health_gives_up_in_bounded_time(models, tmp_path):
+    """Two sim engines whose every decode step takes 10 s: they answer /health, so the probe
+    puts each back in rotation, but they hold every request past its timeout (2 s). With 2 s of
+    backoff allowed, backoff alone would allow six such attempts (about 13.5 s); the wall time from
+    the first failure is capped at retry_seconds + request_timeout, so the request gives up after
+    about three."""
+    stalled = Engines(models["v0"], tmp_path, SimLatencyConfig(decode_base_s=10.0, prefill_s_per_token=0.0))
 
     async def scenario():
-        async with EngineClient(engines.urls, api_key=API_KEY, request_timeout=2.0, retry_seconds=2.0, health_interval=0.2,
+        async with EngineClient(stalled.urls, api_key=API_KEY, request_timeout=2.0, retry_seconds=2.0, health_interval=0.2,
                                 hand_off_stragglers=False) as client:  # fmt: skip
-            for endpoint in client.endpoints:
-                await client._control(endpoint, "/pause_generation", {"mode": "in_place"})
             started = time.monotonic()
-            try:
-                with pytest.raises(NoHealthyEngine):
-                    await client.generate(PROMPT, params(4))
-                return time.monotonic() - started
-            finally:
-                for endpoint in client.endpoints:
-                    await client._control(endpoint, "/continue_generation", {})
+            with pytest.raises(NoHealthyEngine):
+                await client.generate(PROMPT, params(4))
+            return time.monotonic() - started
 
-    elapsed = asyncio.run(scenario())
+    try:
+        stalled.start()
+        elapsed = asyncio.run(scenario())
+    finally:
+        stalled.stop()
     assert 4.5 < elapsed < 2.0 + 3 * 2.0 + 1.0, elapsed
 
 

@@ -170,6 +170,20 @@ def test_pause_holds_new_work_and_continue_releases_it(http):
     assert result["out"][0]["meta_info"]["finish_reason"]["type"] in ("stop", "length")
 
 
+def test_a_paused_engine_answers_health_only_once_continued(http):
+    """SGLang's /health generates a token, which waits while the engine is paused (and answers
+    503 after 20 s): a health probe must not take a paused engine for one that serves."""
+    assert http.post("/pause_generation", json={"mode": "in_place"}).status_code == 200
+    with ThreadPoolExecutor(1) as pool:
+        try:
+            probe = pool.submit(http.get, "/health")
+            time.sleep(2.5)
+            assert not probe.done(), f"/health answered {probe.result().status_code} while the engine was paused"
+        finally:
+            assert http.post("/continue_generation", json={}).status_code == 200
+        assert probe.result(timeout=30).status_code == 200
+
+
 def test_abort_ends_a_request_with_finish_reason_abort(http):
     http.post("/pause_generation", json={"mode": "in_place"})
     with ThreadPoolExecutor(2) as pool:

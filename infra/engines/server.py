@@ -40,6 +40,8 @@ from infra.engines.sim import SimEngine
 log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 8 * 1024 * 1024
 OPEN_PATHS = frozenset({"/health"})
+HEALTH_WHILE_PAUSED_SECONDS = 20.0
+"""How long /health waits for a paused engine to be continued: SGLang's HEALTH_CHECK_TIMEOUT."""
 
 
 class BodySizeLimit:
@@ -178,6 +180,13 @@ def create_app(engine: ScheduledEngine, api_key: str | None = None, max_body_byt
 
     @app.get("/health")
     async def health():
+        # SGLang's /health generates a token, so a paused engine answers it only once continued,
+        # or 503 after SGLang's 20 s: a probe must not take a paused engine for one that serves.
+        deadline = time.monotonic() + HEALTH_WHILE_PAUSED_SECONDS
+        while engine.paused and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if engine.paused:
+            return JSONResponse({"status": "paused"}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/model_info")
