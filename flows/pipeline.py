@@ -7,7 +7,11 @@ flow brings its own Dask cluster. In deployed mode the children are deployment r
 work pools, started and watched by flows/supervisor.py. Either way they meet only in the run
 directory. If training fails, its flow marks the trainer state done so that generation stops
 instead of waiting forever; if generation fails for good, a stop request in the run directory
-ends the trainer's wait for data. Either way the failure propagates.
+ends the trainer's wait for data. Either way the failure propagates. An interrupted pipeline
+(Ctrl-C) sends both signals itself, and exits anyway if its children have not stopped within
+`INTERRUPT_GRACE_SECONDS`: a terminal's Ctrl-C also reaches the Dask workers and Prefect's
+temporary server, without which a child can wait forever. The run resumes from its newest
+checkpoint when started again.
 
 Run it with `tandem run configs/tiny.yaml` or `python -m flows.pipeline configs/tiny.yaml`.
 """
@@ -15,7 +19,10 @@ Run it with `tandem run configs/tiny.yaml` or `python -m flows.pipeline configs/
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import threading
+import time
 
 from prefect import flow, task
 from prefect.client.orchestration import get_client
@@ -30,9 +37,13 @@ from flows.supervisor import Supervisor
 from flows.training import training
 from flows.ui import publish_summary
 from infra.storage import open_run_store
-from tasks.lag import reopen_run, request_stop
+from tasks.lag import TrainerState, publish_trainer_state, read_trainer_state, reopen_run, request_stop
 from tasks.report import write_summary
 from tasks.rundir import RunConflict, initialize_run
+
+INTERRUPT_GRACE_SECONDS = 10.0
+"""How long an interrupted pipeline waits for its trainer and generators to stop: a training step
+and the generators' abort of their engines take seconds."""
 
 
 def _worth_retrying(task, task_run, state) -> bool:
@@ -87,7 +98,7 @@ def pipeline(config: RunConfig | None = None, run_id: RunId | None = None) -> di
     """
     config = config or load_config(DEPLOYED_CONFIG)
     if run_id:
-        config = config.model_copy(update={"run_id": run_id})
+        config = RunConfig.model_validate(config.model_dump() | {"run_id": run_id})  # with the config's own checks
     share_prefect_api_with_workers()
     url = initialize(config)
     print(f"run directory: {url}")
@@ -99,7 +110,15 @@ def pipeline(config: RunConfig | None = None, run_id: RunId | None = None) -> di
         producers = [f"gen{i}" for i in range(config.prefect.generators)]
         generators = [run_generation.submit(config, producer) for producer in producers]
         trainer = run_training.submit(config)
-        watch_run(config, [trainer, *generators])
+        try:
+            watch_run(config, [trainer, *generators])
+        except KeyboardInterrupt:
+            exit_unless_stopped_within_grace()
+            stop_children(config, "the pipeline was interrupted")
+            raise
+        except BaseException as err:
+            stop_children(config, f"the pipeline failed: {err!r}")
+            raise
         trainer.result()
         for generator in generators:
             generator.result()
@@ -108,6 +127,36 @@ def pipeline(config: RunConfig | None = None, run_id: RunId | None = None) -> di
     publish_summary(summary, url, config.run_id)
     print_summary(summary, url)
     return summary
+
+
+def stop_children(config: RunConfig, reason: str) -> None:
+    """Tell the trainer and the generators to stop: the same signals a failed child sends."""
+    print(f"stopping the trainer and generators: {reason}", file=sys.stderr)
+    store = open_run_store(config.storage, config.run_id)
+    request_stop(store, reason)
+    state = read_trainer_state(store)
+    publish_trainer_state(store, TrainerState(state.version, state.lost_groups, done=True))
+
+
+def exit_unless_stopped_within_grace() -> None:
+    """Exit the process if it is still running after the grace, or on a second Ctrl-C."""
+    print(f"interrupted: waiting up to {INTERRUPT_GRACE_SECONDS:.0f} s for the trainer and generators to stop (Ctrl-C "
+          "again to exit now); start the same run again to resume it", file=sys.stderr)  # fmt: skip
+    threading.Thread(target=_exit_after_grace, name="tandem-interrupt-grace", daemon=True).start()
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, lambda *_: _exit_now("interrupted again"))
+
+
+def _exit_after_grace() -> None:
+    time.sleep(INTERRUPT_GRACE_SECONDS)
+    _exit_now(f"the trainer or a generator did not stop within {INTERRUPT_GRACE_SECONDS:.0f} s")
+
+
+def _exit_now(why: str) -> None:
+    """Exit at once, without the interpreter's shutdown, which waits for the children's threads.
+    The engines and Dask workers exit with this process; the run resumes from its newest checkpoint."""
+    print(f"exiting: {why}; start the same run again to resume it", file=sys.stderr, flush=True)
+    os._exit(130)
 
 
 def main(argv: list[str] | None = None) -> None:

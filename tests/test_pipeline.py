@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -12,6 +14,7 @@ import pytest
 
 from configs import TINY_CONFIG
 from flows.cli import run_command
+from flows.pipeline import INTERRUPT_GRACE_SECONDS
 from tasks.envs import Environment, Prompt, Segment, StepResult
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -120,3 +123,51 @@ def test_a_custom_environment_runs_through_the_pipeline_by_import_path(tmp_path:
     assert shards and {pq.read_table(s, columns=["env"])["env"][0].as_py() for s in shards} == {"CopyEnv"}
     prompt = pq.read_table(shards[0], columns=["prompt_ids"])["prompt_ids"][0].as_py()
     assert 3 not in prompt, "the custom prompts are in the vocabulary (no <unk>)"
+
+
+@pytest.mark.parametrize("whom", ["process", "process group"])
+def test_an_interrupted_run_stops_its_children_and_exits(tmp_path: Path, whom: str):
+    """Ctrl-C while the trainer and the generator work. To the process alone, its children stop
+    (the trainer told by a stop request, the generator by the trainer's done mark) and it exits
+    within seconds. To the whole process group, as a terminal sends it, the Dask workers and
+    Prefect's temporary server die with it, so a child may never stop: it exits after the grace.
+    Either way with 130 and no process of its own left (the engines exit with it). Before, it hung
+    for good, its engine still up."""
+    (tmp_path / "scratch").mkdir()
+    overrides = [f"storage.root=file://{tmp_path}", "run_id=interrupted", "training.steps=500", "env.eval_prompts=0", "dask.n_workers=1"]
+    env = os.environ | {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "TMPDIR": str(tmp_path / "scratch")}
+    log = (tmp_path / "run.log").open("w")
+    run = subprocess.Popen(run_command(TINY_CONFIG, overrides), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    trainer_state = tmp_path / "interrupted" / "lag" / "trainer.json"
+    try:
+        deadline = time.monotonic() + 300
+        while not (trainer_state.exists() and json.loads(trainer_state.read_text())["version"] >= 2):
+            assert run.poll() is None and time.monotonic() < deadline, (tmp_path / "run.log").read_text()[-3000:]
+            time.sleep(0.5)
+        interrupted = time.monotonic()
+        os.killpg(run.pid, signal.SIGINT) if whom == "process group" else run.send_signal(signal.SIGINT)
+        returncode = run.wait(timeout=INTERRUPT_GRACE_SECONDS + 30)
+        took = time.monotonic() - interrupted
+        engines = [e["pid"] for r in records(tmp_path / "interrupted", "generator-gen0") if r["event"] == "engines_started" for e in r["engines"]]
+        left = lingering([run.pid], engines, timeout=15)
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+    output = (tmp_path / "run.log").read_text()
+    assert returncode == 130, output[-3000:]
+    assert engines and not left, f"processes of the run still alive 15 s after it exited: {left}"
+    assert "stopping the trainer and generators: the pipeline was interrupted" in output
+    if whom == "process":
+        assert took < INTERRUPT_GRACE_SECONDS, f"its children did not stop by themselves ({took:.1f} s)"
+        assert json.loads(trainer_state.read_text())["done"] is True
+
+
+def lingering(sessions: list[int], pids: list[int], timeout: float) -> str:
+    """`ps` lines of the processes in `sessions` or among `pids` still alive after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        found = subprocess.run(["ps", "-o", "pid=,sid=,args=", "-e"], capture_output=True, text=True).stdout.splitlines()
+        alive = [line for line in found if int(line.split()[1]) in sessions or int(line.split()[0]) in pids]
+        if not alive or time.monotonic() > deadline:
+            return "\n".join(alive)
+        time.sleep(0.5)
