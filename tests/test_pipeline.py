@@ -171,3 +171,15 @@ def lingering(sessions: list[int], pids: list[int], timeout: float) -> str:
         if not alive or time.monotonic() > deadline:
             return "\n".join(alive)
         time.sleep(0.5)
+
+
+def test_a_run_id_given_as_a_flow_parameter_goes_through_the_configs_checks():
+    """`--param run_id=a..b` matches the parameter's pattern; the config's own check refuses the
+    '..' before anything is written (it started a run at s3://tandem/runs/a..b)."""
+    from pydantic import ValidationError
+
+    from configs import load_config
+    from flows.pipeline import pipeline
+
+    with pytest.raises(ValidationError, match=r"contain no '\.\.'"):
+        pipeline.fn(load_config(TINY_CONFIG), run_id="a..b")
