@@ -21,23 +21,34 @@ from tasks.metrics import read_metrics
 from tasks.report import summary_rows
 
 
-def watch_run(config: RunConfig, futures: list, poll_seconds: float = 1.0) -> None:
-    """Draw progress bars until every future is done."""
+def watch_run(config: RunConfig, futures: list, poll_seconds: float = 1.0, console: Console | None = None) -> None:
+    """Draw progress bars until every future is done, and once more after, so that they end on the
+    run's final figures. Outside a terminal, where rich draws the bars only when they close, print
+    a line each time the trainer passes another twentieth of its steps instead."""
     store = open_run_store(config.storage, config.run_id)
+    console = console or Console(stderr=True)
     steps = config.training.steps
+    every, reported = max(1, steps // 20), 0
     with Progress(
         TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
-        TimeElapsedColumn(), console=Console(stderr=True), transient=False,
+        TimeElapsedColumn(), console=console, transient=False,
     ) as progress:  # fmt: skip
         train = progress.add_task("train steps", total=steps, info="")
         episodes = progress.add_task("episodes   ", total=steps * config.training.prompts_per_step * config.generation.samples_per_prompt, info="")
-        while not all(f.state.is_final() for f in futures):
-            state = read_trainer_state(store)
+        while True:
+            finished = all(f.state.is_final() for f in futures)
+            version = read_trainer_state(store).version
             trainer = [r for r in read_metrics(store, "trainer") if r["event"] == "train_step"]
             last = trainer[-1] if trainer else {}
-            progress.update(train, completed=state.version, info=f"v{state.version} reward {last.get('reward_mean', 0):.2f} lag<={last.get('lag_max', 0)}")
+            step_info = f"v{version} reward {last.get('reward_mean', 0):.2f} lag<={last.get('lag_max', 0)}"
+            progress.update(train, completed=version, info=step_info)
             generated = sum(r.get("samples", 0) for name in _generator_files(store) for r in read_metrics(store, name) if r["event"] == "group")
             progress.update(episodes, completed=generated, info=f"dropped {last.get('dropped_stale', 0)}")
+            if not console.is_terminal and version // every > reported:
+                reported = version // every
+                console.print(f"train step {version}/{steps}: {step_info}, episodes {generated}, dropped {last.get('dropped_stale', 0)}")
+            if finished:
+                return
             time.sleep(poll_seconds)
 
 
@@ -45,10 +56,12 @@ def _generator_files(store) -> list[str]:
     return [k.rsplit("/", 1)[-1].removesuffix(".jsonl") for k in store.list("metrics") if "/generator-" in k]
 
 
-def print_summary(summary: dict, run_url: str) -> None:
+def print_summary(summary: dict, run_url: str, console: Console | None = None) -> None:
     """The end-of-run summary as a table: learning, time, and the accounting identity."""
     table = Table(title=f"run summary ({run_url}/summary.json)", show_header=False)
+    table.add_column(overflow="fold")
+    table.add_column(overflow="fold")  # paths fold onto the next line rather than lose their ends
     for label, text in summary_rows(summary):
         table.add_row(label, text, style="bold red" if text.endswith("BROKEN") else None)
     table.add_row("plots", f"{run_url}/plots/reward.png, {run_url}/plots/timeline.png")
-    Console(stderr=True).print(table)
+    (console or Console(stderr=True)).print(table)
