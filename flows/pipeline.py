@@ -162,10 +162,16 @@ def _exit_now(why: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     """`python -m flows.pipeline CONFIG [section.field=value ...]`."""
     args = sys.argv[1:] if argv is None else argv
-    if not args:
-        sys.exit("usage: python -m flows.pipeline CONFIG [section.field=value ...]")
+    if not args or any(arg.startswith("-") for arg in args):
+        print("usage: python -m flows.pipeline CONFIG [section.field=value ...] (overrides without --set)", file=sys.stderr)
+        sys.exit(2)
+    try:
+        config = load_config(args[0], args[1:])
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    pipeline(load_config(args[0], args[1:]))
+    pipeline(config)
 
 
 if __name__ == "__main__":

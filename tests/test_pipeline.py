@@ -183,3 +183,18 @@ def test_a_run_id_given_as_a_flow_parameter_goes_through_the_configs_checks():
 
     with pytest.raises(ValidationError, match=r"contain no '\.\.'"):
         pipeline.fn(load_config(TINY_CONFIG), run_id="a..b")
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["configs/tiny.yaml", "lag.max_lag=two"], "lag.max_lag: Input should be a valid integer"),
+    (["configs/tiny.yaml", "--set", "lag.max_lag=0"], "overrides without --set"),
+    ([], "usage: python -m flows.pipeline CONFIG"),
+])  # fmt: skip
+def test_python_m_flows_pipeline_refuses_bad_arguments_in_one_line(args: list[str], says: str, capsys):
+    from flows.pipeline import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main([str(ROOT / a) if a.endswith(".yaml") else a for a in args])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err, err
