@@ -1,5 +1,8 @@
 # Two commands on a fresh machine with Python 3.11 and pip: `make run` and `make test`.
-# torch==2.13.0 goes in first: a CPU build, and any other version would pull a multi-GB CUDA one.
+# torch==2.13.0 goes in first, pinned: pip's find-links here (/opt/wheels) hold its CPU build. From
+# plain PyPI on Linux that pin is the multi-GB CUDA build; on a CPU-only machine elsewhere install
+# it into .venv first with `pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu`
+# (see README): the line below then finds it installed.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin

@@ -89,7 +89,8 @@ def describe_validation_error(err: ValidationError) -> str:
             continue
         message = problem["msg"].removeprefix("Value error, ")
         shown = problem.get("input")
-        got = "" if isinstance(shown, dict) else f" (got {_short_repr(shown)})"
+        quoted = isinstance(shown, str) and repr(shown) in message  # a validator's own "got 'x'"
+        got = "" if isinstance(shown, dict) or quoted else f" (got {_short_repr(shown)})"
         lines.append(f"  {where}: {message}{got}")
     return "\n".join(lines)
 

@@ -16,10 +16,17 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
-RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9](?:\.?[A-Za-z0-9_-])*\.?$")
+"""Letters, digits, '.', '_' and '-', starting with a letter or digit, no '..' (a run id is a path
+segment: '..' would name the parent). Without lookarounds, so that pydantic's regex engine and the
+JSON schema Prefect checks parameters with both take it."""
 
 RunId = Annotated[str, Field(pattern=RUN_ID_PATTERN.pattern, max_length=64)]
 """A run id as a flow parameter: Prefect checks the pattern when a run is submitted."""
+
+
+def is_run_id(text: str) -> bool:
+    return len(text) <= 64 and RUN_ID_PATTERN.fullmatch(text) is not None
 
 
 class Section(BaseModel):
@@ -184,10 +191,12 @@ class StorageConfig(Section):
     @field_validator("root")
     @classmethod
     def _known_scheme(cls, root: str) -> str:
-        scheme = root.split("://", 1)[0] if "://" in root else ""
-        if scheme not in ("file", "memory", "s3"):
+        scheme, sep, rest = root.partition("://")
+        if not sep or scheme not in ("file", "memory", "s3"):
             raise ValueError(f"root must start with file://, memory:// or s3://, got {root!r}")
-        return root.rstrip("/")
+        if scheme == "s3" and not rest.strip("/"):
+            raise ValueError(f"root must name a bucket, like s3://BUCKET or s3://BUCKET/PREFIX, got {root!r}")
+        return f"{scheme}://{rest.rstrip('/') or rest[:1]}"  # trailing slashes off; file:/// stays /
 
 
 class EnvConfig(Section):
@@ -327,7 +336,7 @@ class RunConfig(Section):
     @field_validator("run_id")
     @classmethod
     def _safe_run_id(cls, run_id: str) -> str:
-        if not RUN_ID_PATTERN.fullmatch(run_id) or ".." in run_id:
+        if not is_run_id(run_id):
             raise ValueError(
                 "run_id must be 1-64 characters of letters, digits, '.', '_' or '-', start with a "
                 f"letter or digit and contain no '..', got {run_id!r}"

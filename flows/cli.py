@@ -6,7 +6,9 @@ pools and deployments on a Prefect server), `scale` (generation runs of a deploy
 `config show|schema` (inspect a run configuration), `storage up` (a local S3 server on
 loopback) and `engine serve` (tandem's CPU engine).
 Every command validates its config before it touches anything, so a bad config exits 2 having
-written nothing.
+written nothing; `run` and `init` also check, before writing, that the environment loads and takes
+its kwargs and that model.path is a model. `deploy` and `scale` need PREFECT_API_URL and a server
+that answers there.
 """
 
 from __future__ import annotations
@@ -16,12 +18,16 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, NoReturn
 
 import typer
 import yaml
+from pydantic import BaseModel, SecretStr
 from rich.console import Console
+from rich.markup import escape
 
 from configs import ConfigError, RunConfig, load_config
 
@@ -46,12 +52,20 @@ Overrides = Annotated[
     typer.Option("--set", help="Override a field: section.field=value (repeatable)."),
 ]
 
+SECRETS_IN_DEPLOYED_RUNS = (
+    "A deployed run gets storage credentials on its workers: AWS_ACCESS_KEY_ID and "
+    "AWS_SECRET_ACCESS_KEY, or a Prefect Secret block named in storage.credentials_block. "
+    "engine.api_key has no such channel: add it to the JSON yourself, knowing that the Prefect "
+    "server stores a run's parameters and shows them in its UI."
+)
+"""How secrets reach a deployed run, for `config show --json`, which leaves them out."""
+
 RunIdOption = Annotated[str | None, typer.Option("--run-id", help="Run id (overrides run_id in the file).")]
 
 
 def fail(message: str, code: int = 2) -> NoReturn:
     """Print an error for a person and exit with `code` (2: bad input, 1: runtime failure)."""
-    err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
 
 
@@ -65,6 +79,42 @@ def resolve_config(config: Path | None, overrides: list[str] | None, run_id: str
         return load_config(config, [*(overrides or ()), *run_id_override])
     except ConfigError as err:
         fail(str(err))
+
+
+def require_engine_backend(config: RunConfig) -> None:
+    """Exit 2 before anything starts when engine.backend is sglang and SGLang is not installed
+    here (for a process that starts engines itself)."""
+    if config.engine.backend == "sglang":
+        from infra.engines.process import EngineStartError
+        from infra.engines.sglang import require_sglang
+
+        try:
+            require_sglang()
+        except EngineStartError as err:
+            fail(str(err))
+
+
+def prefect_server_url() -> str:
+    """PREFECT_API_URL, or exit 2 saying how to set it: unset, Prefect would start a temporary
+    server of its own, and what `deploy` or `scale` writes there reaches no one."""
+    from prefect.settings import PREFECT_API_URL
+
+    api_url = PREFECT_API_URL.value()
+    if not api_url:
+        fail("PREFECT_API_URL is not set: point it at your Prefect server, e.g. "
+             "export PREFECT_API_URL=http://127.0.0.1:4200/api")  # fmt: skip
+    return api_url
+
+
+@contextmanager
+def prefect_server_reached(api_url: str) -> Iterator[None]:
+    """Exit 1 with one line naming `api_url` when the Prefect server there does not answer."""
+    import httpx
+
+    try:
+        yield
+    except httpx.TransportError as err:
+        fail(f"cannot reach the Prefect server at {api_url} (PREFECT_API_URL): {err or type(err).__name__}", code=1)
 
 
 @app.command("init")
@@ -97,8 +147,14 @@ def run(
     resolved = resolve_config(config, overrides, run_id)
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     from flows.pipeline import pipeline
-    from tasks.rundir import RunConflict
+    from tasks.rundir import RunConflict, check_run_inputs
 
+    try:
+        check_run_inputs(resolved)  # here too, so that a typo is one line and not a failed flow run
+    except ConfigError as err:
+        fail(str(err))
+    if resolved.prefect.mode == "local" or resolved.env.eval_prompts:  # this process starts engines
+        require_engine_backend(resolved)
     try:
         pipeline(resolved)
     except (RunConflict, ConfigError) as err:
@@ -120,7 +176,9 @@ def evaluate_run(
     overrides: Overrides = None,
 ) -> None:
     """Score one snapshot of a run on its held-out prompts (greedy), and record it in metrics."""
+    from infra.storage import open_run_store
     from tasks.rundir import load_run_config
+    from tasks.snapshots import SnapshotMissing, committed_version
 
     if run.startswith("file://") and not run.startswith("file:///"):
         run = "file://" + os.path.abspath(run.removeprefix("file://"))
@@ -130,6 +188,11 @@ def evaluate_run(
         fail(str(err))
     if not resolved.env.eval_prompts:
         fail(f"run {resolved.run_id} has no held-out prompts (env.eval_prompts is 0): add --set env.eval_prompts=N")
+    require_engine_backend(resolved)
+    try:  # before the flow starts, which would print the error as a traceback
+        version = committed_version(open_run_store(resolved.storage, resolved.run_id), version)
+    except SnapshotMissing as err:
+        fail(str(err))
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     from flows.evaluation import evaluation
 
@@ -144,22 +207,18 @@ def deploy(
     """Create the work pools and every deployment of prefect.yaml on the server at PREFECT_API_URL.
 
     Idempotent: existing pools are kept, deployments are updated in place."""
-    from prefect.settings import PREFECT_API_URL
-
     project = project_dir.resolve()
     spec_path = project / "prefect.yaml"
     if not spec_path.is_file():
         fail(f"{spec_path}: no prefect.yaml here; run from tandem's project directory or pass --project-dir")
-    api_url = PREFECT_API_URL.value()
-    if not api_url:
-        fail("PREFECT_API_URL is not set: point it at your Prefect server, e.g. "
-             "export PREFECT_API_URL=http://127.0.0.1:4200/api")  # fmt: skip
+    api_url = prefect_server_url()
     from infra.deployments import apply_deployments
 
-    try:
-        names = apply_deployments(project, yaml.safe_load(spec_path.read_text()))
-    except RuntimeError as err:
-        fail(str(err), code=1)
+    with prefect_server_reached(api_url):
+        try:
+            names = apply_deployments(project, yaml.safe_load(spec_path.read_text()))
+        except RuntimeError as err:  # the `prefect deploy` that it runs failed
+            fail(str(err), code=1)
     console.print(f"deployed to {api_url}: " + ", ".join(names))
 
 
@@ -171,12 +230,13 @@ def scale(
     """Ask a deployed run for N generation runs; its parent adds or retires them within seconds."""
     from prefect.variables import Variable
 
-    from configs.schema import RUN_ID_PATTERN
+    from configs.schema import is_run_id
     from flows.supervisor import scale_variable
 
-    if not RUN_ID_PATTERN.fullmatch(run_id):
-        fail(f"{run_id!r} is not a run id (letters, digits, '.', '_', '-'; at most 64 characters)")
-    Variable.set(scale_variable(run_id), generators, overwrite=True)
+    if not is_run_id(run_id):
+        fail(f"{run_id!r} is not a run id (letters, digits, '.', '_', '-', no '..'; at most 64 characters)")
+    with prefect_server_reached(prefect_server_url()):
+        Variable.set(scale_variable(run_id), generators, overwrite=True)
     console.print(f"run {run_id}: asked for {generators} generation run{'s' if generators != 1 else ''} (variable {scale_variable(run_id)})")
 
 
@@ -186,9 +246,24 @@ def config_show(
     overrides: Overrides = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of YAML.")] = False,
 ) -> None:
-    """Print the resolved configuration (defaults filled in, overrides applied, secrets masked)."""
-    data = resolve_config(config, overrides).model_dump(mode="json")
-    typer.echo(json.dumps(data, indent=2) if as_json else yaml.safe_dump(data, sort_keys=False))
+    """Print the resolved configuration (defaults filled in, overrides applied, secrets masked).
+
+    --json leaves the secrets out (null), saying on stderr which: its output is what a deployed
+    run is submitted with, where a masked value would become the secret."""
+    resolved = resolve_config(config, overrides)
+    data = resolved.model_dump(mode="json")
+    if not as_json:
+        typer.echo(yaml.safe_dump(data, sort_keys=False))
+        return
+    left_out = [f"{name}.{key}" for name, section in resolved if isinstance(section, BaseModel)
+                for key, value in section if isinstance(value, SecretStr)]  # fmt: skip
+    for field in left_out:
+        section, key = field.split(".")
+        data[section][key] = None
+    typer.echo(json.dumps(data, indent=2))
+    if left_out:
+        note = f"note: left out of the JSON (null): {', '.join(left_out)}. {SECRETS_IN_DEPLOYED_RUNS}"
+        err_console.print(escape(note), highlight=False, soft_wrap=True)
 
 
 @config_app.command("schema")
@@ -212,9 +287,11 @@ def storage_up(
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
+    if data_dir.exists() and not data_dir.is_dir():
+        fail(f"--dir {data_dir}: not a directory; name a directory (it is created if missing)")
     try:
         server = SeaweedServer(data_dir.resolve(), port).start()
-    except (RuntimeError, TimeoutError, FileNotFoundError) as err:
+    except (RuntimeError, TimeoutError, OSError) as err:  # OSError: no weed binary, --dir not creatable
         fail(str(err), code=1)
     console.print(f"S3 endpoint: [bold]{server.endpoint_url}[/] (data in {server.data_dir})")
     console.print("any access key and secret work; Ctrl-C stops the server")
@@ -249,15 +326,23 @@ def engine_serve(
     from pydantic import ValidationError
 
     from configs.schema import SimLatencyConfig
-    from infra.engines.server import serve
+    from infra.engines.server import AddressUnavailable, serve
+    from infra.modelfactory import given_model_dir
 
     try:
         latency = SimLatencyConfig.model_validate_json(sim_latency) if sim_latency else None
     except ValidationError as err:
         fail(f"--sim-latency: {err}")
+    try:
+        given_model_dir(str(model))
+    except FileNotFoundError:
+        fail(f"--model {model}: not an HF model directory (no config.json)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    serve(str(model), host=host, port=port, api_key=api_key, max_batch_size=max_batch_size,
-          weight_version=weight_version, exit_with_parent=exit_with_parent, sim_latency=latency)  # fmt: skip
+    try:
+        serve(str(model), host=host, port=port, api_key=api_key, max_batch_size=max_batch_size,
+              weight_version=weight_version, exit_with_parent=exit_with_parent, sim_latency=latency)  # fmt: skip
+    except AddressUnavailable as err:
+        fail(f"--port {port}: {err}", code=1)
 
 
 def main() -> None:

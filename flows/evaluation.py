@@ -20,7 +20,7 @@ from infra.scratch import scratch_dir
 from infra.storage import open_run_store
 from tasks.evaluation import evaluate
 from tasks.metrics import MetricsLog
-from tasks.snapshots import latest_version, load_snapshot, pin_snapshot, unpin_snapshot
+from tasks.snapshots import committed_version, load_snapshot, pin_snapshot, unpin_snapshot
 
 
 @flow(name="evaluation", log_prints=True)
@@ -29,7 +29,7 @@ def evaluation(config: RunConfig, version: int | None = None) -> dict:
     if not config.env.eval_prompts:
         raise ValueError(f"run {config.run_id} has no held-out prompts (env.eval_prompts is 0): nothing to evaluate")
     store = open_run_store(config.storage, config.run_id)
-    version = latest_version(store) if version is None else version
+    version = committed_version(store, version)  # SnapshotMissing, before anything is pinned
     consumer = f"eval-v{version}"
     pin_snapshot(store, consumer, version)
     try:

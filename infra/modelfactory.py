@@ -10,7 +10,8 @@ no downloaded weights.
 - `build_model`: a random-init LlamaForCausalLM or Qwen2ForCausalLM with tied embeddings and sdpa
   attention, seeded without disturbing the caller's RNG.
 - `save_tiny_model` / `prepare_initial_model`: write a standard HF directory (config.json with
-  architectures, token ids and dtype; model.safetensors; tokenizer.json; generation_config.json).
+  architectures, token ids and dtype; model.safetensors; tokenizer.json; generation_config.json),
+  or take `model.path` as it is (`given_model_dir` checks that it is one).
   From then on the tiny model is just a model path: `load_model` / `load_tokenizer` go through
   `AutoModelForCausalLM` / `AutoTokenizer.from_pretrained`, the same code a real model takes (one
   exception, see `load_tokenizer`), and SGLang loads the directory as it is.
@@ -119,10 +120,15 @@ def prepare_initial_model(cfg: ModelConfig, out_dir: Path, seed: int) -> Path:
     """The directory of the run's initial model: `cfg.path` if set, else a freshly built tiny one."""
     if cfg.path is None:
         return save_tiny_model(cfg, out_dir, seed)
-    path = Path(cfg.path).expanduser()
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"model.path {cfg.path!r} is not an HF model directory (no config.json)")
-    return path
+    return given_model_dir(cfg.path)
+
+
+def given_model_dir(path: str) -> Path:
+    """`model.path` as a directory; FileNotFoundError naming it unless it holds an HF config.json."""
+    directory = Path(path).expanduser()
+    if not (directory / "config.json").is_file():
+        raise FileNotFoundError(f"model.path {path!r} is not an HF model directory (no config.json)")
+    return directory
 
 
 def load_model(path: Path | str, dtype: torch.dtype | str | None = None) -> PreTrainedModel:

@@ -3,7 +3,9 @@
 `initialize_run` is what every entry point does first (`tandem init`, and the pipeline flow).
 It is idempotent, so a restarted pipeline calls it again safely; and it refuses to reuse a run
 id whose recorded config differs, because a run directory whose shards and snapshots came from
-two configs cannot be trained on or compared honestly.
+two configs cannot be trained on or compared honestly. Before it writes anything it checks what
+validation cannot (`check_run_inputs`: the environment imports and takes env.kwargs, model.path
+is a model), so a typo there leaves no config.json behind to refuse the corrected config.
 """
 
 from __future__ import annotations
@@ -13,9 +15,10 @@ import tempfile
 from pathlib import Path
 
 from configs.loader import ConfigError, apply_override, validate_config
-from configs.schema import RUN_ID_PATTERN, RunConfig, StorageConfig
-from infra.modelfactory import load_model, load_tokenizer, prepare_initial_model
+from configs.schema import RunConfig, StorageConfig, is_run_id
+from infra.modelfactory import given_model_dir, load_model, load_tokenizer, prepare_initial_model
 from infra.storage import RunStore, open_run_store
+from tasks.envs import EnvironmentLoadError, load_environment
 from tasks.snapshots import latest_version, publish_snapshot, publish_snapshot_dir, snapshot_versions
 from tasks.warmup import warm_start
 
@@ -55,18 +58,25 @@ def write_run_config(store: RunStore, config: RunConfig) -> bool:
 
 
 def load_run_config(run_url: str, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
-    """The config recorded in an existing run directory ({root}/{run_id}), with `overrides`.
+    """The config recorded in an existing run directory ({root}/{run_id}), with `overrides`
+    (run_id and storage.root excepted: the URL names them).
 
     Secrets are recorded masked, so they are dropped here and come from the environment (or an
     override) again."""
     root, _, run_id = run_url.rstrip("/").rpartition("/")
     if not root or "://" not in root:
         raise ConfigError(f"{run_url!r} is not a run directory URL like file:///path/runs/RUN_ID")
-    if not RUN_ID_PATTERN.fullmatch(run_id) or ".." in run_id:  # `..` would read the parent
+    if not is_run_id(run_id):  # `..` would read the parent
         raise ConfigError(
             f"{run_url!r} ends in {run_id!r}, not a run id "
             "(1-64 letters, digits, '.', '_' or '-', no '..')"
         )
+    for override in overrides:
+        if override.partition("=")[0].strip() in ("run_id", "storage.root"):
+            raise ConfigError(
+                f"--set {override!r}: the run URL {run_url} names the run and its root; "
+                "to score another run, give its URL"
+            )
     storage = {"root": root}
     for override in overrides:
         if override.startswith("storage.endpoint_url="):
@@ -104,6 +114,7 @@ def read_recorded_config(store: RunStore) -> dict:
 def initialize_run(config: RunConfig) -> RunStore:
     """Open the run directory, record the config, and publish the initial model as v0 once:
     warm-started on the environment's demonstrations when training.warmup_steps > 0."""
+    check_run_inputs(config)
     store = open_run_store(config.storage, config.run_id)
     write_run_config(store, config)
     if 0 not in snapshot_versions(store) and latest_version(store) is None:
@@ -116,6 +127,24 @@ def initialize_run(config: RunConfig) -> RunStore:
                 warm_start(model, tokenizer, config)
                 publish_snapshot(store, model, tokenizer, 0, staging_dir=Path(staging))
     return store
+
+
+def check_run_inputs(config: RunConfig) -> None:
+    """ConfigError naming the field unless env.entrypoint loads, the environment accepts env.kwargs,
+    and model.path (if set) is an HF model directory: what only importing and building can tell."""
+    try:
+        env_cls = load_environment(config.env.entrypoint)
+    except EnvironmentLoadError as err:
+        raise ConfigError(f"env.entrypoint: {err}") from None
+    try:
+        env_cls(max_turns=config.env.max_turns, **config.env.kwargs)
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"env.kwargs: {config.env.entrypoint} refuses them: {err}") from None
+    if config.model.path is not None:
+        try:
+            given_model_dir(config.model.path)
+        except FileNotFoundError as err:
+            raise ConfigError(str(err)) from None
 
 
 def _operational(field: str) -> bool:

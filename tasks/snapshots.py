@@ -19,6 +19,7 @@ milliseconds; a real model's copy is what an S3 reader pays anyway.
 
 A consumer that must not lose its snapshot mid-load pins it first (`pin_snapshot`), then loads;
 a ManifestError from `load_snapshot` means the version was retired meanwhile: read LATEST again.
+A consumer told which version to use (an evaluation) checks it with `committed_version` first.
 """
 
 from __future__ import annotations
@@ -97,6 +98,27 @@ def snapshot_versions(store: RunStore) -> list[int]:
         if len(parts) == 3 and parts[2] == MANIFEST_NAME and (match := _VERSION_DIR.fullmatch(parts[1])):
             versions.append(int(match.group(1)))
     return sorted(versions)
+
+
+class SnapshotMissing(LookupError):
+    """A snapshot asked for that the run directory does not hold: never published, or retired."""
+
+
+def committed_version(store: RunStore, version: int | None) -> int:
+    """`version` (None: the one LATEST names) if it is a committed snapshot; SnapshotMissing
+    naming it and the versions kept otherwise."""
+    wanted = latest_version(store) if version is None else version
+    kept = snapshot_versions(store)
+    if wanted in kept:
+        return wanted
+    if not kept:
+        raise SnapshotMissing(f"no snapshot published under {store.url_of(WEIGHTS)}")
+    shown = kept if len(kept) <= 12 else [*kept[:6], "...", *kept[-6:]]
+    listed = ", ".join(v if v == "..." else f"v{v}" for v in shown)
+    raise SnapshotMissing(
+        f"no snapshot v{wanted} under {store.url_of(WEIGHTS)} (never published, or removed by retention); "
+        f"kept: {listed}"
+    )
 
 
 def load_snapshot(store: RunStore, cache_dir: Path, version: int | None = None) -> Path:

@@ -173,3 +173,57 @@ def test_init_with_a_bad_config_writes_nothing(tmp_path: Path):
     assert result.exit_code == 2
     assert "lag.max_lag" in result.output
     assert list(tmp_path.iterdir()) == []
+
+
+def test_config_show_json_leaves_secrets_out_and_says_how_to_supply_them():
+    # Its output is what a deployed run is submitted with: "**********" would become the api key.
+    result = runner.invoke(app, ["config", "show", str(CONFIG_DIR / "tiny.yaml"), "--json",
+                                 "--set", "engine.api_key=k3y", "--set", "storage.secret=s3cr3t"])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    shown = json.loads(result.stdout)
+    assert shown["engine"]["api_key"] is None and shown["storage"]["secret"] is None and shown["storage"]["key"] is None
+    assert "k3y" not in result.output and "s3cr3t" not in result.output and "*****" not in result.stdout
+    assert "left out of the JSON (null): engine.api_key, storage.secret." in result.stderr
+    assert "AWS_ACCESS_KEY_ID" in result.stderr and "storage.credentials_block" in result.stderr
+    plain = runner.invoke(app, ["config", "show", str(CONFIG_DIR / "tiny.yaml"), "--json"])
+    assert plain.stderr == "", "nothing left out, nothing to say"
+
+
+@pytest.mark.parametrize("override,expected", [
+    ("storage.root=gs://x", "storage.root: root must start with file://, memory:// or s3://, got 'gs://x'"),
+    ("run_id=a/b", "contain no '..', got 'a/b'"),
+    ("lag.max_lag=two", "unable to parse string as an integer (got 'two')"),
+])  # fmt: skip
+def test_an_error_shows_the_value_once(override: str, expected: str):
+    with pytest.raises(ConfigError) as caught:
+        load_config(None, [override])
+    assert str(caught.value).endswith(expected), str(caught.value)
+
+
+@pytest.mark.parametrize("root,recorded", [
+    ("file:///", "file:///"), ("file://./runs/", "file://./runs"), ("s3://bucket/prefix//", "s3://bucket/prefix"),
+])  # fmt: skip
+def test_storage_root_loses_trailing_slashes_but_not_its_scheme(root: str, recorded: str):
+    assert load_config(None, [f"storage.root={root}"]).storage.root == recorded
+
+
+@pytest.mark.parametrize("override,expected", [
+    ("env.entrypoint=nope.mod:Cls", "env.entrypoint: environment entrypoint 'nope.mod:Cls': cannot import"),
+    ("env.kwargs={digts: 3}", "env.kwargs: tasks.envs.calculator:CalculatorEnv refuses them"),
+    ("model.path=/nonexistent", "model.path '/nonexistent' is not an HF model directory"),
+])  # fmt: skip
+def test_initialize_run_refuses_what_does_not_load_before_writing_anything(tmp_path: Path, override: str, expected: str):
+    from flows.pipeline import _worth_retrying
+    from tasks.rundir import initialize_run
+
+    config = load_config(CONFIG_DIR / "tiny.yaml", [f"storage.root=file://{tmp_path}/runs", override])
+    with pytest.raises(ConfigError, match=None) as caught:
+        initialize_run(config)
+    assert expected in str(caught.value)
+    assert list(tmp_path.iterdir()) == [], "no config.json to refuse the corrected config later"
+
+    class FailedState:
+        def result(self):
+            raise caught.value
+
+    assert not _worth_retrying(None, None, FailedState()), "the pipeline reads the same error on a retry"

@@ -9,7 +9,7 @@ import pytest
 import yaml
 from prefect.flows import load_flow_from_entrypoint
 from prefect.utilities.callables import parameter_schema
-from prefect.utilities.schema_tools import validate
+from prefect.utilities.schema_tools import ValidationError, validate
 
 from flows.supervisor import scale_variable
 from flows.ui import artifact_key
@@ -55,3 +55,14 @@ def test_evaluations_run_one_at_a_time_and_none_is_dropped():
 def test_names_derived_from_run_ids_are_what_prefect_allows():
     assert artifact_key("My_Run.v2", "progress") == "tandem-my-run-v2-progress"
     assert scale_variable("My_Run.v2") == "tandem-generators-my_run-v2"
+
+
+@pytest.mark.parametrize("run_id", ["a..b", "..", "-x", "a/b", "x" * 65])
+def test_prefect_refuses_a_bad_run_id_parameter_at_submission(run_id):
+    """What `prefect deployment run pipeline/tandem --param run_id=...` checks before a run exists
+    (a run id with '..' passed it and started a run at s3://tandem/runs/a..b)."""
+    flow = load_flow_from_entrypoint(str(ROOT / DEPLOYMENTS["pipeline"]["entrypoint"]))
+    schema = parameter_schema(flow.fn).model_dump_for_openapi()
+    validate({"run_id": "demo.v2-1_a"}, schema, raise_on_error=True, ignore_required=True)
+    with pytest.raises(ValidationError):
+        validate({"run_id": run_id}, schema, raise_on_error=True, ignore_required=True)

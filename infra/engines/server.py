@@ -16,6 +16,7 @@ import hmac
 import logging
 import os
 import signal
+import socket
 import threading
 import time
 
@@ -243,6 +244,9 @@ def serve(
 ) -> None:  # fmt: skip
     """Load the model and serve until SIGINT/SIGTERM (uvicorn stops gracefully on both).
 
+    host:port is bound first, so a port in use raises AddressUnavailable before the model loads,
+    and "serving ... on" is logged only once the address is held.
+
     With `sim_latency`, serve a `SimEngine` (infra/engines/sim.py) on the model's tokenizer
     instead of computing with the model: same routes, GPU-like timing.
 
@@ -257,6 +261,7 @@ def serve(
     may use: the HTTP event loop shares the process and the rollout client often shares the
     machine, and an oversubscribed intra-op pool collapses (on 2 busy cores, 2 torch threads
     decoded 10x slower than 1 in benchmarks/engine.py)."""
+    listener = listening_socket(host, port)  # before the model loads: a taken port fails at once
     if exit_with_parent:
         _stop_when_orphaned(os.getppid())
     if sim_latency is not None:
@@ -271,11 +276,35 @@ def serve(
             torch.set_num_threads(max(1, cores - 1))
         engine = CpuEngine(model_path, max_batch_size=max_batch_size, weight_version=weight_version)
     app = create_app(engine, api_key=api_key)
+    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS)
     log.info("serving %s on http://%s:%d", model_path, host, port)
     try:
-        uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS)
+        uvicorn.Server(config).run(sockets=[listener])
+    except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it stopped on
+        pass
     finally:
         engine.shutdown()
+        listener.close()
+
+
+class AddressUnavailable(OSError):
+    """The engine cannot listen where it was asked to: the port is taken, or the host is not local."""
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to host:port (SO_REUSEADDR, as uvicorn binds), or AddressUnavailable
+    naming them."""
+    sock = None
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as err:
+        if sock is not None:
+            sock.close()
+        raise AddressUnavailable(f"cannot listen on {host}:{port}: {err.strerror or err}") from None
+    return sock
 
 
 def _stop_when_orphaned(parent_pid: int, poll_seconds: float = 1.0) -> None:

@@ -91,6 +91,13 @@ def sglang_engine_process(
     return SGLangEngineProcess(engine, model_path, port, log_path, weight_version, seed, dtype)
 
 
+def require_sglang() -> None:
+    """EngineStartError with the install command unless SGLang is importable here (`tandem run`
+    and `tandem eval` ask before they start anything; each engine start asks again)."""
+    if importlib.util.find_spec("sglang") is None:
+        raise EngineStartError(f"engine.backend 'sglang' needs SGLang installed: {INSTALL_HINT}")
+
+
 def _connect_host(host: str) -> str:
     if host in ("", "0.0.0.0"):
         return "127.0.0.1"
@@ -116,8 +123,7 @@ class SGLangEngineProcess(EngineProcess):
 
     def start(self, timeout: float = 900.0) -> SGLangEngineProcess:
         """Start SGLang and return once GET /health answers 200 (model load can take minutes)."""
-        if importlib.util.find_spec("sglang") is None:
-            raise EngineStartError(f"engine.backend 'sglang' needs SGLang installed: {INSTALL_HINT}")
+        require_sglang()
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         os.close(os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600))
         os.chmod(self.log_path, 0o600)

@@ -1,0 +1,70 @@
+"""CLI failures outside a run directory, each one line on stderr naming what to fix: `scale` and
+`deploy` without a Prefect server to talk to, and `engine serve` on a port that is taken.
+(Bad configs and arguments that touch a run directory are in tests/test_badinput.py.)"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import committed_model_dir
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def tandem(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    """`tandem ARGS` from the project directory, with PREFECT_API_URL only where `env` sets it."""
+    base = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    full_env = base | {"PYTHONPATH": str(ROOT), "COLUMNS": "250", "NO_COLOR": "1"} | (env or {})
+    command = [sys.executable, "-m", "flows.cli", *args]
+    return subprocess.run(command, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+def one_line_error(done: subprocess.CompletedProcess) -> str:
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), done.stderr[-3000:]
+    return lines[0]
+
+
+@pytest.fixture
+def held_port():
+    """A loopback port some other socket listens on."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield sock.getsockname()[1]
+
+
+@pytest.mark.parametrize("args", [("scale", "demo", "--generators", "3"), ("deploy",)], ids=["scale", "deploy"])
+def test_scale_and_deploy_refuse_to_run_without_prefect_api_url(args, tmp_path: Path):
+    # Without it Prefect would start a temporary server and the request would reach no run.
+    done = tandem(*args, env={"PREFECT_HOME": str(tmp_path)})
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "PREFECT_API_URL is not set" in one_line_error(done)
+    assert "asked for" not in done.stdout
+
+
+@pytest.mark.parametrize("args", [("scale", "demo", "--generators", "3"), ("deploy",)], ids=["scale", "deploy"])
+def test_scale_and_deploy_name_the_url_of_a_server_that_is_down(args, tmp_path: Path):
+    with socket.socket() as sock:  # a port nobody listens on once closed
+        sock.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}/api"
+    done = tandem(*args, env={"PREFECT_API_URL": url, "PREFECT_HOME": str(tmp_path)})
+    assert done.returncode == 1, done.stdout + done.stderr
+    line = one_line_error(done)
+    assert f"cannot reach the Prefect server at {url}" in line and "Connection refused" in line
+
+
+def test_engine_serve_on_a_taken_port_fails_in_one_line_without_claiming_to_serve(held_port: int, tmp_path: Path):
+    model = committed_model_dir(tmp_path / "model", seed=0)
+    done = tandem("engine", "serve", "--model", str(model), "--port", str(held_port))
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert one_line_error(done) == (
+        f"error: --port {held_port}: cannot listen on 127.0.0.1:{held_port}: Address already in use"
+    )
+    assert "serving" not in done.stdout + done.stderr
