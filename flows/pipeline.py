@@ -8,23 +8,24 @@ work pools, started and watched by flows/supervisor.py. Either way they meet onl
 directory. If training fails, its flow marks the trainer state done so that generation stops
 instead of waiting forever; if generation fails for good, a stop request in the run directory
 ends the trainer's wait for data. Either way the failure propagates. An interrupted pipeline
-(Ctrl-C) sends both signals itself, and exits anyway if its children have not stopped within
-`INTERRUPT_GRACE_SECONDS`: a terminal's Ctrl-C also reaches the Dask workers and Prefect's
-temporary server, without which a child can wait forever. The run resumes from its newest
-checkpoint when started again.
+(Ctrl-C) sends the stop request itself, on which the trainer stops and marks itself done, and
+exits anyway if its children have not stopped within `INTERRUPT_GRACE_SECONDS`: a terminal's
+Ctrl-C also reaches the Dask workers and Prefect's temporary server, without which a child can
+wait forever. The run resumes from its newest checkpoint when started again.
 
 Run it with `tandem run configs/tiny.yaml` or `python -m flows.pipeline configs/tiny.yaml`.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import signal
 import sys
 import threading
-import time
 
 from prefect import flow, task
+from prefect.futures import PrefectFuture
 from prefect.client.orchestration import get_client
 from prefect.cache_policies import NONE
 
@@ -37,7 +38,7 @@ from flows.supervisor import Supervisor
 from flows.training import training
 from flows.ui import publish_summary
 from infra.storage import open_run_store
-from tasks.lag import TrainerState, publish_trainer_state, read_trainer_state, reopen_run, request_stop
+from tasks.lag import reopen_run, request_stop
 from tasks.report import write_summary
 from tasks.rundir import RunConflict, initialize_run
 
@@ -112,12 +113,10 @@ def pipeline(config: RunConfig | None = None, run_id: RunId | None = None) -> di
         trainer = run_training.submit(config)
         try:
             watch_run(config, [trainer, *generators])
-        except KeyboardInterrupt:
-            exit_unless_stopped_within_grace()
-            stop_children(config, "the pipeline was interrupted")
-            raise
         except BaseException as err:
-            stop_children(config, f"the pipeline failed: {err!r}")
+            if isinstance(err, KeyboardInterrupt):
+                exit_unless_stopped_within_grace([trainer, *generators])
+            stop_children(config, "the pipeline was interrupted" if isinstance(err, KeyboardInterrupt) else f"the pipeline failed: {err!r}")
             raise
         trainer.result()
         for generator in generators:
@@ -130,26 +129,37 @@ def pipeline(config: RunConfig | None = None, run_id: RunId | None = None) -> di
 
 
 def stop_children(config: RunConfig, reason: str) -> None:
-    """Tell the trainer and the generators to stop: the same signals a failed child sends."""
+    """Ask the trainer to stop, as a failed generator does; the trainer then marks itself done,
+    on which the generators abort their engines' requests and leave. (The trainer's state is the
+    trainer's alone to write: a second writer could publish an older version over a newer one.)"""
     print(f"stopping the trainer and generators: {reason}", file=sys.stderr)
-    store = open_run_store(config.storage, config.run_id)
-    request_stop(store, reason)
-    state = read_trainer_state(store)
-    publish_trainer_state(store, TrainerState(state.version, state.lost_groups, done=True))
+    request_stop(open_run_store(config.storage, config.run_id), reason)
 
 
-def exit_unless_stopped_within_grace() -> None:
-    """Exit the process if it is still running after the grace, or on a second Ctrl-C."""
+def exit_unless_stopped_within_grace(children: list[PrefectFuture]) -> None:
+    """Exit the process unless every child has stopped within the grace, or at once on a second
+    Ctrl-C while one still runs. Once they have stopped, nothing happens: a caller that catches
+    the interrupt (a notebook, a test) keeps its process, and Ctrl-C its usual meaning."""
+    threads = [child.wrapped_future for child in children]
     print(f"interrupted: waiting up to {INTERRUPT_GRACE_SECONDS:.0f} s for the trainer and generators to stop (Ctrl-C "
           "again to exit now); start the same run again to resume it", file=sys.stderr)  # fmt: skip
-    threading.Thread(target=_exit_after_grace, name="tandem-interrupt-grace", daemon=True).start()
+
+    def exit_unless_stopped() -> None:
+        if concurrent.futures.wait(threads, timeout=INTERRUPT_GRACE_SECONDS).not_done:
+            _exit_now(f"the trainer or a generator did not stop within {INTERRUPT_GRACE_SECONDS:.0f} s")
+
+    threading.Thread(target=exit_unless_stopped, name="tandem-interrupt-grace", daemon=True).start()
     if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGINT, lambda *_: _exit_now("interrupted again"))
+        usual = signal.getsignal(signal.SIGINT)
 
+        def on_interrupt(signum, frame) -> None:
+            if not all(thread.done() for thread in threads):
+                _exit_now("interrupted again")
+            signal.signal(signal.SIGINT, usual)
+            if callable(usual):
+                usual(signum, frame)
 
-def _exit_after_grace() -> None:
-    time.sleep(INTERRUPT_GRACE_SECONDS)
-    _exit_now(f"the trainer or a generator did not stop within {INTERRUPT_GRACE_SECONDS:.0f} s")
+        signal.signal(signal.SIGINT, on_interrupt)
 
 
 def _exit_now(why: str) -> None:

@@ -138,8 +138,8 @@ def check_run_inputs(config: RunConfig) -> None:
         raise ConfigError(f"env.entrypoint: {err}") from None
     try:
         env_cls(max_turns=config.env.max_turns, **config.env.kwargs)
-    except (TypeError, ValueError) as err:
-        raise ConfigError(f"env.kwargs: {config.env.entrypoint} refuses them: {err}") from None
+    except Exception as err:  # whatever the user's class raises on these kwargs, a retry reads the same
+        raise ConfigError(f"env.kwargs: {config.env.entrypoint} refuses them: {type(err).__name__}: {err}") from None
     if config.model.path is not None:
         try:
             given_model_dir(config.model.path)

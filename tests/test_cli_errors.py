@@ -5,11 +5,14 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tests.conftest import committed_model_dir
@@ -68,3 +71,38 @@ def test_engine_serve_on_a_taken_port_fails_in_one_line_without_claiming_to_serv
         f"error: --port {held_port}: cannot listen on 127.0.0.1:{held_port}: Address already in use"
     )
     assert "serving" not in done.stdout + done.stderr
+
+
+def test_of_two_engines_started_on_one_port_one_serves_and_the_other_fails(tmp_path: Path):
+    """Both may bind the port while nothing listens on it yet (SO_REUSEADDR); the one that lost it
+    used to load its model, log "serving" and stay up listening on nothing, since uvloop does not
+    report the failed listen."""
+    model = committed_model_dir(tmp_path / "model", seed=0)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    command = [sys.executable, "-m", "flows.cli", "engine", "serve", "--model", str(model), "--port", str(port)]
+    env = os.environ | {"PYTHONPATH": str(ROOT), "COLUMNS": "250", "NO_COLOR": "1"}
+    engines = [subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True) for _ in range(2)]  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while all(e.poll() is None for e in engines) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        lost = [e for e in engines if e.poll() is not None]
+        assert len(lost) == 1, "both engines are up, and only one can listen on the port"
+        assert lost[0].returncode == 1 and f"--port {port}: cannot listen on 127.0.0.1:{port}" in lost[0].stderr.read()
+        (winner,) = [e for e in engines if e.poll() is None]
+        while time.monotonic() < deadline:
+            try:
+                assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
+                break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        else:
+            raise AssertionError("the engine that won the port never answered")
+    finally:
+        for engine in engines:
+            if engine.poll() is None:
+                os.killpg(engine.pid, signal.SIGTERM)
+                engine.wait(timeout=30)

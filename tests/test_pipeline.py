@@ -159,7 +159,7 @@ def test_an_interrupted_run_stops_its_children_and_exits(tmp_path: Path, whom: s
     assert "stopping the trainer and generators: the pipeline was interrupted" in output
     if whom == "process":
         assert took < INTERRUPT_GRACE_SECONDS, f"its children did not stop by themselves ({took:.1f} s)"
-        assert json.loads(trainer_state.read_text())["done"] is True
+        assert json.loads(trainer_state.read_text())["done"] is True, "the trainer marked itself done"
 
 
 def lingering(sessions: list[int], pids: list[int], timeout: float) -> str:
@@ -173,16 +173,19 @@ def lingering(sessions: list[int], pids: list[int], timeout: float) -> str:
         time.sleep(0.5)
 
 
-def test_a_run_id_given_as_a_flow_parameter_goes_through_the_configs_checks():
-    """`--param run_id=a..b` matches the parameter's pattern; the config's own check refuses the
-    '..' before anything is written (it started a run at s3://tandem/runs/a..b)."""
+def test_a_run_id_given_as_a_flow_parameter_goes_through_the_configs_checks(tmp_path: Path):
+    """A run_id passed beside the config went in with model_copy, which skips the config's checks
+    (`a..b` started a run at s3://tandem/runs/a..b). Prefect now refuses that one at submission
+    (tests/test_deploy_spec.py); a caller of the flow itself meets the config's own check, before
+    anything is written."""
     from pydantic import ValidationError
 
     from configs import load_config
     from flows.pipeline import pipeline
 
     with pytest.raises(ValidationError, match=r"contain no '\.\.'"):
-        pipeline.fn(load_config(TINY_CONFIG), run_id="a..b")
+        pipeline.fn(load_config(TINY_CONFIG, [f"storage.root=file://{tmp_path}"]), run_id="a..b")
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize(("args", "says"), [

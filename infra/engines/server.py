@@ -19,6 +19,7 @@ import signal
 import socket
 import threading
 import time
+from contextlib import closing
 
 import uvicorn
 from fastapi import FastAPI, HTTPException, Request
@@ -41,6 +42,8 @@ from infra.engines.sim import SimEngine
 log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 8 * 1024 * 1024
 OPEN_PATHS = frozenset({"/health"})
+LISTEN_BACKLOG = 2048
+"""Connections the kernel queues before the server accepts them: uvicorn's default."""
 HEALTH_WHILE_PAUSED_SECONDS = 20.0
 """How long /health waits for a paused engine to be continued: SGLang's HEALTH_CHECK_TIMEOUT."""
 
@@ -180,11 +183,12 @@ def create_app(engine: ScheduledEngine, api_key: str | None = None, max_body_byt
         return {"success": True, "message": "nothing cached between requests"}
 
     @app.get("/health")
-    async def health():
+    async def health(request: Request):
         # SGLang's /health generates a token, so a paused engine answers it only once continued,
         # or 503 after SGLang's 20 s: a probe must not take a paused engine for one that serves.
+        # A probe that gave up (the client's wait is 2 s) is not waited for.
         deadline = time.monotonic() + HEALTH_WHILE_PAUSED_SECONDS
-        while engine.paused and time.monotonic() < deadline:
+        while engine.paused and time.monotonic() < deadline and not await request.is_disconnected():
             await asyncio.sleep(0.05)
         if engine.paused:
             return JSONResponse({"status": "paused"}, status_code=503)
@@ -244,8 +248,8 @@ def serve(
 ) -> None:  # fmt: skip
     """Load the model and serve until SIGINT/SIGTERM (uvicorn stops gracefully on both).
 
-    host:port is bound first, so a port in use raises AddressUnavailable before the model loads,
-    and "serving ... on" is logged only once the address is held.
+    host:port is listened on first, so a port in use raises AddressUnavailable before the model
+    loads, and "serving ... on" is logged only once the address is held.
 
     With `sim_latency`, serve a `SimEngine` (infra/engines/sim.py) on the model's tokenizer
     instead of computing with the model: same routes, GPU-like timing.
@@ -262,29 +266,32 @@ def serve(
     machine, and an oversubscribed intra-op pool collapses (on 2 busy cores, 2 torch threads
     decoded 10x slower than 1 in benchmarks/engine.py)."""
     listener = listening_socket(host, port)  # before the model loads: a taken port fails at once
-    if exit_with_parent:
-        _stop_when_orphaned(os.getppid())
+    with closing(listener):
+        if exit_with_parent:
+            _stop_when_orphaned(os.getppid())
+        engine = _load_engine(model_path, max_batch_size, weight_version, sim_latency)
+        config = uvicorn.Config(create_app(engine, api_key=api_key), log_level="warning", access_log=False,
+                                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS)  # fmt: skip
+        log.info("serving %s on http://%s:%d", model_path, host, port)
+        try:
+            uvicorn.Server(config).run(sockets=[listener])
+        except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it stopped on
+            pass
+        finally:
+            engine.shutdown()
+
+
+def _load_engine(model_path: str, max_batch_size: int, weight_version: str, sim_latency: SimLatencyConfig | None) -> ScheduledEngine:
     if sim_latency is not None:
-        engine = SimEngine(model_path, sim_latency, max_batch_size=max_batch_size, weight_version=weight_version)
-    else:
-        import torch
+        return SimEngine(model_path, sim_latency, max_batch_size=max_batch_size, weight_version=weight_version)
+    import torch
 
-        from infra.engines.cpu import CpuEngine
+    from infra.engines.cpu import CpuEngine
 
-        if not os.environ.get("OMP_NUM_THREADS"):
-            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-            torch.set_num_threads(max(1, cores - 1))
-        engine = CpuEngine(model_path, max_batch_size=max_batch_size, weight_version=weight_version)
-    app = create_app(engine, api_key=api_key)
-    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS)
-    log.info("serving %s on http://%s:%d", model_path, host, port)
-    try:
-        uvicorn.Server(config).run(sockets=[listener])
-    except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it stopped on
-        pass
-    finally:
-        engine.shutdown()
-        listener.close()
+    if not os.environ.get("OMP_NUM_THREADS"):
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        torch.set_num_threads(max(1, cores - 1))
+    return CpuEngine(model_path, max_batch_size=max_batch_size, weight_version=weight_version)
 
 
 class AddressUnavailable(OSError):
@@ -292,14 +299,20 @@ class AddressUnavailable(OSError):
 
 
 def listening_socket(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to host:port (SO_REUSEADDR, as uvicorn binds), or AddressUnavailable
-    naming them."""
+    """A TCP socket listening on host:port (its first address; "" is every interface), with the
+    options asyncio would set, or AddressUnavailable naming them. It listens here, not only once
+    uvicorn starts: two sockets with SO_REUSEADDR may both bind a port that nothing listens on
+    yet, and uvloop does not report a listen that then fails, so an engine that lost the port
+    during its model load would stay up serving nothing."""
     sock = None
     try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        family, kind, proto, _, address = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
         sock = socket.socket(family, kind, proto)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
         sock.bind(address)
+        sock.listen(LISTEN_BACKLOG)
     except OSError as err:
         if sock is not None:
             sock.close()
