@@ -162,6 +162,28 @@ def test_a_restarted_engine_rejoins_the_rotation(engines):
     assert status[0]["weight_version"] == "0"
 
 
+def test_a_paused_engine_out_of_rotation_does_not_hold_up_the_others_return(engines):
+    """Both engines out of rotation, engine 0 paused: its /health holds the probe for the probe's
+    2 s timeout, as SGLang's does. Engine 1 answers and is back long before that; probed one after
+    the other, engine 0 first, it came back only after it."""
+
+    async def scenario():
+        async with EngineClient(engines.urls, api_key=API_KEY, health_interval=0.2) as client:
+            await client._control(client.endpoints[0], "/pause_generation", {"mode": "in_place"})
+            try:
+                started = time.monotonic()
+                for endpoint in client.endpoints:
+                    client._mark_unhealthy(endpoint, "test")
+                back = await wait_for(lambda: client.status()[1]["healthy"], timeout=10)
+                return back, time.monotonic() - started, client.status()[0]["healthy"]
+            finally:
+                await client._control(client.endpoints[0], "/continue_generation", {})
+
+    back, took, paused_healthy = asyncio.run(scenario())
+    assert back and took < 1.5, f"engine 1 back after {took:.2f} s"
+    assert paused_healthy is False, "a paused engine is not put back in rotation"
+
+
 def test_least_outstanding_balances_equal_requests(engines):
     before = [engines.get(i, "/server_info")["tokens_generated"] for i in range(2)]
 

@@ -306,18 +306,21 @@ class EngineClient:
             self._prober = asyncio.create_task(self._probe_unhealthy())
 
     async def _probe_unhealthy(self) -> None:
-        """Bring engines back into rotation once their /health answers again; first continue
-        one that a weight sync gave up on."""
+        """Bring engines back into rotation once their /health answers again, probing them side by
+        side: a paused engine's /health holds the probe for its whole 2 s timeout."""
         while True:
-            for endpoint in [e for e in self.endpoints if not e.healthy]:
-                if endpoint.paused and not await self._continue_left_paused(endpoint):
-                    continue
-                if await self.is_healthy(endpoint.url):
-                    endpoint.weight_version = await self._weight_version(endpoint.url)
-                    endpoint.healthy = True
-                    self._take_stragglers(endpoint)
-                    log.info("engine %s back in rotation (weights %s)", endpoint.url, endpoint.weight_version)
+            await asyncio.gather(*(self._probe(e) for e in self.endpoints if not e.healthy))
             await asyncio.sleep(self.health_interval)
+
+    async def _probe(self, endpoint: Endpoint) -> None:
+        """Put `endpoint` back in rotation if it answers; first continue it if a weight sync gave up on it."""
+        if endpoint.paused and not await self._continue_left_paused(endpoint):
+            return
+        if await self.is_healthy(endpoint.url):
+            endpoint.weight_version = await self._weight_version(endpoint.url)
+            endpoint.healthy = True
+            self._take_stragglers(endpoint)
+            log.info("engine %s back in rotation (weights %s)", endpoint.url, endpoint.weight_version)
 
     async def _continue_left_paused(self, endpoint: Endpoint) -> bool:
         """Continue an engine that a sync gave up on (it hung, and runs again: the pauses it was
