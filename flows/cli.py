@@ -315,7 +315,9 @@ def engine_serve(
     ] = None,
     max_batch_size: Annotated[int, typer.Option(help="Most sequences decoded together.", min=1, max=1024)] = 32,
     weight_version: Annotated[str, typer.Option(help="Weight version reported until the first update.")] = "0",
-    exit_with_parent: Annotated[bool, typer.Option(help="Stop when the process that started the engine dies.")] = False,
+    parent_pid: Annotated[
+        int | None, typer.Option(help="Stop when this process (the one that starts the engine) dies.", min=2)
+    ] = None,
     sim_latency: Annotated[
         str | None, typer.Option(help="Serve the simulated engine with this latency model (JSON of engine.sim).")
     ] = None,
@@ -340,7 +342,7 @@ def engine_serve(
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         serve(str(model), host=host, port=port, api_key=api_key, max_batch_size=max_batch_size,
-              weight_version=weight_version, exit_with_parent=exit_with_parent, sim_latency=latency)  # fmt: skip
+              weight_version=weight_version, parent_pid=parent_pid, sim_latency=latency)  # fmt: skip
     except AddressUnavailable as err:
         fail(f"--port {port}: {err}", code=1)
 

@@ -404,7 +404,7 @@ def test_the_client_drops_idle_connections_before_the_engine_server_would():
 
 
 def _engine_of_a_doomed_parent(tmp_path: Path) -> tuple[subprocess.Popen, int, int]:
-    """A CPU engine started (with --exit-with-parent, as EngineFleet starts them) by a process
+    """A CPU engine started (with --parent-pid, as EngineFleet starts them) by a process
     the caller will kill: (that process, the engine's pid, its port)."""
     model = save_tiny_model(ModelConfig(), tmp_path / "model", seed=0)
     port = free_port_block(count=1)
@@ -451,3 +451,22 @@ def test_an_orphaned_engine_stops_even_while_a_pause_holds_a_request(tmp_path):
         parent.kill()
         parent.wait()
         _assert_exits(engine_pid, 15)
+
+
+def test_an_engine_whose_starter_died_while_it_started_stops(tmp_path):
+    """The starter passes its pid. Read from getppid() once the engine was up, it named whatever
+    adopted the engine if the starter had died meanwhile, and the engine served for good (a CI
+    run killed mid-test left one)."""
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    model = save_tiny_model(ModelConfig(), tmp_path / "model", seed=0)
+    latency = '{"decode_base_s": 0.001, "decode_s_per_seq": 0.0, "prefill_s_per_token": 0.0}'
+    command = [sys.executable, "-m", "flows.cli", "engine", "serve", "--model", str(model), "--port", str(free_port_block(count=1)),
+               "--parent-pid", str(gone.pid), "--sim-latency", latency]  # fmt: skip
+    engine = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        engine.wait(timeout=60)
+    finally:
+        if engine.poll() is None:
+            os.killpg(engine.pid, signal.SIGKILL)
+    assert f"parent process {gone.pid} is gone; stopping" in engine.stderr.read()

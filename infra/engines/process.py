@@ -114,7 +114,7 @@ def cpu_engine_process(
     command = [
         sys.executable, "-m", "flows.cli", "engine", "serve", "--model", str(model_path),
         "--host", host, "--port", str(port), "--max-batch-size", str(max_batch_size),
-        "--weight-version", weight_version, "--exit-with-parent",
+        "--weight-version", weight_version, "--parent-pid", str(os.getpid()),
     ]  # fmt: skip
     if sim_latency is not None:
         command += ["--sim-latency", sim_latency.model_dump_json()]

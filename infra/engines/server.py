@@ -243,7 +243,7 @@ continue holds its requests forever: it outlived its run (a deployed test caught
 
 def serve(
     model_path: str, host: str = "127.0.0.1", port: int = 30000, api_key: str | None = None,
-    max_batch_size: int = 32, weight_version: str = "default", exit_with_parent: bool = False,
+    max_batch_size: int = 32, weight_version: str = "default", parent_pid: int | None = None,
     sim_latency: SimLatencyConfig | None = None,
 ) -> None:  # fmt: skip
     """Load the model and serve until SIGINT/SIGTERM (uvicorn stops gracefully on both).
@@ -254,9 +254,11 @@ def serve(
     With `sim_latency`, serve a `SimEngine` (infra/engines/sim.py) on the model's tokenizer
     instead of computing with the model: same routes, GPU-like timing.
 
-    With `exit_with_parent`, the server also stops when the process that started it dies: an
+    With `parent_pid`, the server also stops when that process (the one that started it) dies: an
     engine runs in a session of its own (so that stopping it never signals anything else), and
-    without this a SIGKILLed generator would leave its engines serving forever.
+    without this a SIGKILLed generator would leave its engines serving forever. The starter passes
+    its pid rather than the engine reading getppid(): a starter that dies while the engine is still
+    importing leaves an engine whose first getppid() already names its new parent.
 
     torch and the CPU engine are imported only to serve the CPU engine: a simulated engine's
     process never imports them (1.5 s of start-up each, see sim.py).
@@ -267,8 +269,8 @@ def serve(
     decoded 10x slower than 1 in benchmarks/engine.py)."""
     listener = listening_socket(host, port)  # before the model loads: a taken port fails at once
     with closing(listener):
-        if exit_with_parent:
-            _stop_when_orphaned(os.getppid())
+        if parent_pid is not None:
+            _stop_when_orphaned(parent_pid)
         engine = _load_engine(model_path, max_batch_size, weight_version, sim_latency)
         config = uvicorn.Config(create_app(engine, api_key=api_key), log_level="warning", access_log=False,
                                 timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS)  # fmt: skip
@@ -321,7 +323,8 @@ def listening_socket(host: str, port: int) -> socket.socket:
 
 
 def _stop_when_orphaned(parent_pid: int, poll_seconds: float = 1.0) -> None:
-    """SIGTERM this process once its parent is gone (it is re-parented, so getppid changes)."""
+    """SIGTERM this process once `parent_pid` is no longer its parent (it died, and this process
+    was re-parented), also if that had happened before this was called."""
 
     def watch() -> None:
         while os.getppid() == parent_pid:
