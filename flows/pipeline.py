@@ -114,9 +114,10 @@ def pipeline(config: RunConfig | None = None, run_id: RunId | None = None) -> di
         try:
             watch_run(config, [trainer, *generators])
         except BaseException as err:
-            if isinstance(err, KeyboardInterrupt):
+            interrupted = isinstance(err, KeyboardInterrupt)
+            if interrupted:
                 exit_unless_stopped_within_grace([trainer, *generators])
-            stop_children(config, "the pipeline was interrupted" if isinstance(err, KeyboardInterrupt) else f"the pipeline failed: {err!r}")
+            stop_children(config, "the pipeline was interrupted" if interrupted else f"the pipeline failed: {err!r}")
             raise
         trainer.result()
         for generator in generators:

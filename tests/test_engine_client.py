@@ -80,10 +80,15 @@ class Engines:
         self.processes[i] = self._process(self.ports[i]).start(timeout=120)
 
     def stop(self) -> None:
-        for process in self.processes:
-            if process.is_running():
-                os.killpg(process.pid, signal.SIGCONT)  # a SIGSTOPped engine cannot act on SIGTERM
-            process.stop()
+        """Stop both side by side: each may wait out its graceful shutdown."""
+        with ThreadPoolExecutor(len(self.processes)) as pool:
+            list(pool.map(self._stop, self.processes))
+
+    @staticmethod
+    def _stop(process: EngineProcess) -> None:
+        if process.is_running():
+            os.killpg(process.pid, signal.SIGCONT)  # a SIGSTOPped engine cannot act on SIGTERM
+        process.stop()
 
     def get(self, i: int, path: str) -> dict:
         return httpx.get(self.urls[i] + path, headers=AUTH, timeout=10).json()
@@ -224,12 +229,12 @@ def test_a_request_that_timed_out_on_a_hung_engine_is_answered_by_another(engine
 
 
 def test_a_request_that_keeps_hanging_on_engines_that_answer_health_gives_up_in_bounded_time(models, tmp_path):
-    """Two sim engines whose every decode step takes 10 s: they answer /health, so the probe
+    """Two sim engines whose every decode step takes 5 s: they answer /health, so the probe
     puts each back in rotation, but they hold every request past its timeout (2 s). With 2 s of
     backoff allowed, backoff alone would allow six such attempts (about 13.5 s); the wall time from
     the first failure is capped at retry_seconds + request_timeout, so the request gives up after
     about three."""
-    stalled = Engines(models["v0"], tmp_path, SimLatencyConfig(decode_base_s=10.0, prefill_s_per_token=0.0))
+    stalled = Engines(models["v0"], tmp_path, SimLatencyConfig(decode_base_s=5.0, prefill_s_per_token=0.0))
 
     async def scenario():
         async with EngineClient(stalled.urls, api_key=API_KEY, request_timeout=2.0, retry_seconds=2.0, health_interval=0.2,
