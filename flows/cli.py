@@ -255,14 +255,14 @@ def config_show(
     if not as_json:
         typer.echo(yaml.safe_dump(data, sort_keys=False))
         return
-    left_out = [f"{name}.{key}" for name, section in resolved if isinstance(section, BaseModel)
-                for key, value in section if isinstance(value, SecretStr)]  # fmt: skip
-    for field in left_out:
-        section, key = field.split(".")
-        data[section][key] = None
+    secrets = [(name, key) for name, section in resolved if isinstance(section, BaseModel)
+               for key, value in section if isinstance(value, SecretStr)]  # fmt: skip
+    for name, key in secrets:
+        data[name][key] = None
     typer.echo(json.dumps(data, indent=2))
-    if left_out:
-        note = f"note: left out of the JSON (null): {', '.join(left_out)}. {SECRETS_IN_DEPLOYED_RUNS}"
+    if secrets:
+        left_out = ", ".join(f"{name}.{key}" for name, key in secrets)
+        note = f"note: left out of the JSON (null): {left_out}. {SECRETS_IN_DEPLOYED_RUNS}"
         err_console.print(escape(note), highlight=False, soft_wrap=True)
 
 
