@@ -328,7 +328,7 @@ def engine_serve(
     from pydantic import ValidationError
 
     from configs.schema import SimLatencyConfig
-    from infra.engines.server import AddressUnavailable, serve
+    from infra.engines.server import AddressUnavailable, ModelUnloadable, serve
     from infra.modelfactory import given_model_dir
 
     try:
@@ -345,6 +345,8 @@ def engine_serve(
               weight_version=weight_version, parent_pid=parent_pid, sim_latency=latency)  # fmt: skip
     except AddressUnavailable as err:
         fail(f"--port {port}: {err}", code=1)
+    except ModelUnloadable as err:
+        fail(f"--model: {err}")
 
 
 def main() -> None:

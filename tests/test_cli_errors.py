@@ -1,5 +1,6 @@
 """CLI failures outside a run directory, each one line on stderr naming what to fix: `scale` and
-`deploy` without a Prefect server to talk to, and `engine serve` on a port that is taken.
+`deploy` without a Prefect server to talk to, and `engine serve` on a port that is taken or on a
+model directory that cannot be loaded.
 (Bad configs and arguments that touch a run directory are in tests/test_badinput.py.)"""
 
 from __future__ import annotations
@@ -70,6 +71,27 @@ def test_engine_serve_on_a_taken_port_fails_in_one_line_without_claiming_to_serv
     assert one_line_error(done) == (
         f"error: --port {held_port}: cannot listen on 127.0.0.1:{held_port}: Address already in use"
     )
+    assert "serving" not in done.stdout + done.stderr
+
+
+@pytest.mark.parametrize(
+    ("remove", "engine_args", "reason"),
+    [
+        ("model.safetensors", (), "no file named model.safetensors"),
+        ("tokenizer.json", ("--sim-latency", "{}"), "Couldn't instantiate the backend tokenizer"),
+    ],
+    ids=["cpu without weights", "sim without tokenizer"],
+)
+def test_engine_serve_on_a_model_it_cannot_load_fails_in_one_line(remove, engine_args, reason, tmp_path: Path):
+    model = committed_model_dir(tmp_path / "model", seed=0)
+    (model / remove).unlink()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    done = tandem("engine", "serve", "--model", str(model), "--port", str(port), *engine_args)
+    assert done.returncode == 2, done.stdout + done.stderr
+    line = one_line_error(done)
+    assert line.startswith(f"error: --model: cannot load {model}: ") and reason in line
     assert "serving" not in done.stdout + done.stderr
 
 

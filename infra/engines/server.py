@@ -249,7 +249,8 @@ def serve(
     """Load the model and serve until SIGINT/SIGTERM (uvicorn stops gracefully on both).
 
     host:port is listened on first, so a port in use raises AddressUnavailable before the model
-    loads, and "serving ... on" is logged only once the address is held.
+    loads, and "serving ... on" is logged only once the address is held. A directory that
+    transformers or the tokenizer cannot load raises ModelUnloadable with their reason.
 
     With `sim_latency`, serve a `SimEngine` (infra/engines/sim.py) on the model's tokenizer
     instead of computing with the model: same routes, GPU-like timing.
@@ -271,7 +272,11 @@ def serve(
     with closing(listener):
         if parent_pid is not None:
             _stop_when_orphaned(parent_pid)
-        engine = _load_engine(model_path, max_batch_size, weight_version, sim_latency)
+        try:
+            engine = _load_engine(model_path, max_batch_size, weight_version, sim_latency)
+        except (OSError, ValueError) as err:  # transformers' and tokenizers' words for a bad directory
+            reason = " ".join(str(err).split())  # the tokenizer's reason spans lines
+            raise ModelUnloadable(f"cannot load {model_path}: {reason}") from err
         config = uvicorn.Config(create_app(engine, api_key=api_key), log_level="warning", access_log=False,
                                 timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS)  # fmt: skip
         log.info("serving %s on http://%s:%d", model_path, host, port)
@@ -294,6 +299,10 @@ def _load_engine(model_path: str, max_batch_size: int, weight_version: str, sim_
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         torch.set_num_threads(max(1, cores - 1))
     return CpuEngine(model_path, max_batch_size=max_batch_size, weight_version=weight_version)
+
+
+class ModelUnloadable(RuntimeError):
+    """The model directory has a config.json but transformers or tokenizers cannot load it."""
 
 
 class AddressUnavailable(OSError):
