@@ -29,10 +29,12 @@ def evaluation(config: RunConfig, version: int | None = None) -> dict:
     if not config.env.eval_prompts:
         raise ValueError(f"run {config.run_id} has no held-out prompts (env.eval_prompts is 0): nothing to evaluate")
     store = open_run_store(config.storage, config.run_id)
-    version = committed_version(store, version)  # SnapshotMissing, before anything is pinned
+    if version is None:
+        version = committed_version(store, None)  # SnapshotMissing when nothing is published
     consumer = f"eval-v{version}"
-    pin_snapshot(store, consumer, version)
+    pin_snapshot(store, consumer, version)  # before the check: retention keeps what it then finds
     try:
+        committed_version(store, version)
         with scratch_dir("tandem-eval-") as cache:
             model_dir = load_snapshot(store, cache, version)
             with EngineFleet(config.engine, 1, model_dir, version, cache / "logs") as fleet:

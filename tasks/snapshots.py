@@ -19,7 +19,8 @@ milliseconds; a real model's copy is what an S3 reader pays anyway.
 
 A consumer that must not lose its snapshot mid-load pins it first (`pin_snapshot`), then loads;
 a ManifestError from `load_snapshot` means the version was retired meanwhile: read LATEST again.
-A consumer told which version to use (an evaluation) checks it with `committed_version` first.
+A consumer told which version to use (an evaluation) pins it too, then checks it with
+`committed_version`: a retention pass that starts after the pin keeps the version.
 """
 
 from __future__ import annotations

@@ -336,3 +336,15 @@ def test_engines_start_on_the_newest_snapshot_that_verifies(model, tokenizer, tm
     damaged.write_bytes(damaged.read_bytes()[:1000])
     model_dir, version = snapshot_dir_for_engines(config, tmp_path / "cache")
     assert version == 0 and (model_dir / "model.safetensors").exists()
+
+
+def test_an_evaluation_of_a_version_not_kept_names_it_and_leaves_no_pin(tmp_path: Path):
+    from flows.evaluation import evaluation
+    from tasks.rundir import initialize_run
+    from tasks.snapshots import SnapshotMissing, pinned_versions
+
+    config = load_config(TINY_CONFIG, [f"storage.root=file://{tmp_path}", "run_id=evalpin"])
+    store = initialize_run(config)
+    with pytest.raises(SnapshotMissing, match="no snapshot v7 under .*kept: v0"):
+        evaluation.fn(config, version=7)
+    assert pinned_versions(store) == set() and not store.list("weights/pins")
