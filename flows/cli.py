@@ -147,12 +147,16 @@ def run(
     resolved = resolve_config(config, overrides, run_id)
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     from flows.pipeline import pipeline
-    from tasks.rundir import RunConflict, check_run_inputs
+    from infra.storage import StorageRejected, StorageUnavailable, open_run_store
+    from tasks.rundir import RunConflict, check_recorded_config, check_run_inputs
 
-    try:
-        check_run_inputs(resolved)  # here too, so that a typo is one line and not a failed flow run
-    except ConfigError as err:
+    try:  # here too, so that a typo or a reused run id is one line and not a failed flow run
+        check_run_inputs(resolved)
+        check_recorded_config(open_run_store(resolved.storage, resolved.run_id), resolved)
+    except (RunConflict, ConfigError) as err:
         fail(str(err))
+    except (StorageUnavailable, StorageRejected) as err:
+        fail(f"storage.root {resolved.storage.root}: {err}", code=1)
     if resolved.prefect.mode == "local" or resolved.env.eval_prompts:  # this process starts engines
         require_engine_backend(resolved)
     try:

@@ -42,19 +42,25 @@ def config_document(config: RunConfig) -> bytes:
 
 def write_run_config(store: RunStore, config: RunConfig) -> bool:
     """Record the config (once). Returns True if written now, False if the same one was there."""
-    document = config_document(config)
-    if store.put_if_absent(CONFIG_KEY, document):
+    if store.put_if_absent(CONFIG_KEY, config_document(config)):
         return True
+    check_recorded_config(store, config)
+    return False
+
+
+def check_recorded_config(store: RunStore, config: RunConfig) -> None:
+    """RunConflict unless the run directory records no config, or one that differs from `config`
+    in operational fields only (ConfigError for a damaged config.json). Read-only, so the CLI can
+    refuse a reused run id in one line before a flow run starts."""
+    if not store.exists(CONFIG_KEY):
+        return
     recorded = read_recorded_config(store)
-    if recorded != json.loads(document):
-        changed = [f for f in _changed_fields(recorded, json.loads(document)) if not _operational(f)]
-        if not changed:
-            return False
+    changed = [f for f in _changed_fields(recorded, json.loads(config_document(config))) if not _operational(f)]
+    if changed:
         raise RunConflict(
             f"run {config.run_id!r} at {store.url} was started with a different config "
             f"(differs in: {', '.join(changed)}); use another --run-id or the recorded config"
         )
-    return False
 
 
 def load_run_config(run_url: str, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
