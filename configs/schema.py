@@ -146,7 +146,7 @@ class TrainingConfig(Section):
     importance_correction: bool = True
     """PPO-clip ratio against behaviour logprobs; false trains as if every sample were on-policy."""
     kl_coef: float = Field(0.0, ge=0, le=100)
-    """Weight of the KL term against the initial policy; 0 disables it."""
+    """Weight of the k3 KL term against snapshot v0 (the warm-started policy); 0 disables it."""
     entropy_coef: float = Field(0.0, ge=0, le=100)
     """Weight of the entropy bonus; 0 disables it."""
     warmup_steps: int = Field(55, ge=0, le=1_000_000)

@@ -64,7 +64,9 @@ def training(config: RunConfig) -> dict:
 def _train(config: RunConfig, store: RunStore, cache: Path) -> dict:
     store.clear_staging()  # what a killed trainer left half-written
     initial = load_snapshot(store, cache / "weights", version=0)
-    learner = Learner(config, store, load_model(initial), load_tokenizer(initial), cache, MetricsLog(store, "trainer"))
+    reference = load_model(initial) if config.training.kl_coef > 0 else None  # the KL term's anchor: v0, unchanged
+    learner = Learner(config, store, load_model(initial), load_tokenizer(initial), cache, MetricsLog(store, "trainer"),
+                      ref_model=reference)  # fmt: skip
     resumed = learner.resume()
     if resumed is not None:
         print(f"resumed from checkpoint at version {resumed}")

@@ -73,14 +73,16 @@ class Ledger:
 class Learner:
     """Trains on shards as generators commit them, within the lag bound."""
 
-    def __init__(self, config: RunConfig, store: RunStore, model: PreTrainedModel,
-                 tokenizer: PreTrainedTokenizerBase, cache_dir: Path, metrics: MetricsLog):  # fmt: skip
+    def __init__(self, config: RunConfig, store: RunStore, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
+                 cache_dir: Path, metrics: MetricsLog, ref_model: PreTrainedModel | None = None):  # fmt: skip
+        """`ref_model`: the policy the KL term measures against, needed when training.kl_coef > 0."""
         self.config = config
         self.store = store
         self.tokenizer = tokenizer
         self.cache_dir = cache_dir
         self.metrics = metrics
-        self.trainer = Trainer(model, config.training)
+        self.ref_model = ref_model
+        self.trainer = Trainer(model, config.training, ref_model=ref_model)
         self.ledger = Ledger()
         self.window_floor = 0
         self.idle_seconds = 0.0
@@ -100,7 +102,7 @@ class Learner:
         step = latest_checkpoint_step(self.store)
         if step is None:
             return None
-        self.trainer = Trainer(self.trainer.model, self.config.training, version=step)
+        self.trainer = Trainer(self.trainer.model, self.config.training, version=step, ref_model=self.ref_model)
         state = load_checkpoint(self.store, self.trainer.model, self.trainer.optimizer, self.cache_dir / "checkpoints", step)
         self.ledger = Ledger.from_json(state.extra["ledger"])
         self.window_floor = max(0, step - self.config.lag.max_lag)

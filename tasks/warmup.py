@@ -37,7 +37,7 @@ def warm_start(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, confi
     make_env = lambda: env_cls(max_turns=config.env.max_turns, **config.env.kwargs)  # noqa: E731
     prompts = make_env().prompts("train", config.env.train_prompts, config.seed)
     rng = random.Random(config.seed)
-    trainer = Trainer(model, config.training)
+    trainer = Trainer(model, config.training.model_copy(update={"kl_coef": 0.0}))  # supervised: no KL term
     losses = []
     for _ in range(config.training.warmup_steps):
         batch = [demonstration_example(make_env(), rng.choice(prompts), tokenizer) for _ in range(WARMUP_BATCH)]

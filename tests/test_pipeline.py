@@ -27,7 +27,7 @@ def finished_run(tmp_path_factory) -> Path:
     overrides = [
         "run_id=e2e", f"storage.root=file://{root}", "training.steps=3", "training.warmup_steps=5",
         "training.prompts_per_step=4", "generation.prompts_per_chunk=2", "env.eval_prompts=8",
-        "training.checkpoint_every=2", "lag.max_lag=1", "dask.n_workers=1",
+        "training.checkpoint_every=2", "lag.max_lag=1", "dask.n_workers=1", "training.kl_coef=0.05",
     ]  # fmt: skip
     run_pipeline(root, overrides)
     return root / "e2e"
@@ -97,6 +97,7 @@ def test_run_directory_holds_shards_snapshots_checkpoints_and_metrics(finished_r
     steps = [r for r in records(finished_run, "trainer") if r["event"] == "train_step"]
     assert [r["version"] for r in steps] == [1, 2, 3]
     assert all(r["lag_max"] <= 1 for r in steps)
+    assert steps[0]["kl"] < 1e-6 < steps[-1]["kl"], "the KL term measures the policy against v0"
     evaluations = records(finished_run, "evaluation")
     assert [e["version"] for e in evaluations] == [0, 3]
 
