@@ -25,6 +25,16 @@ RunId = Annotated[str, Field(pattern=RUN_ID_PATTERN.pattern, max_length=64)]
 """A run id as a flow parameter: Prefect checks the pattern when a run is submitted."""
 
 
+MAX_SLOTS = 999_999
+"""Prompt groups one run may generate (steps x prompts_per_step): a shard key numbers them in six
+digits (tasks/shards.py)."""
+
+ROOT_PATTERN = r"^(?:file://|memory://|s3:///*[^/])"
+ENTRYPOINT_FORM = r"[A-Za-z_][\w.]*:[A-Za-z_]\w*"
+"""The JSON-schema twins of the checks of storage.root and env.entrypoint below: a field's
+validator words the error for a person, its pattern lets Prefect refuse the field at submission."""
+
+
 def is_run_id(text: str) -> bool:
     return len(text) <= 64 and RUN_ID_PATTERN.fullmatch(text) is not None
 
@@ -109,7 +119,7 @@ class GenerationConfig(Section):
     """The generation side: how many engines, how episodes are sampled."""
 
     engines: int = Field(1, ge=1, le=64)
-    """Engines (and generator processes) started by one generation run."""
+    """Engine processes started by one generation run (one generator drives them all)."""
     samples_per_prompt: int = Field(8, ge=1, le=256)
     """Group size n: samples per prompt, normalised together for the advantage."""
     prompts_per_chunk: int = Field(16, ge=1, le=4096)
@@ -119,18 +129,26 @@ class GenerationConfig(Section):
     top_p: float = Field(1.0, gt=0, le=1)
     """Nucleus sampling mass."""
     top_k: int = Field(-1, ge=-1)
-    """Top-k cut-off; -1 disables it (SGLang's convention)."""
+    """Top-k cut-off; -1 disables it (SGLang's convention, which refuses 0)."""
     max_new_tokens: int = Field(16, ge=1, le=32768)
     """Most tokens the model generates in one turn."""
     hand_off_stragglers: bool = True
     """Move half of a busy engine's requests, with their tokens so far, to an engine that ran dry."""
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k_disabled_or_positive(cls, top_k: int) -> int:
+        if top_k == 0:
+            raise ValueError("top_k must be -1 (disabled) or at least 1, got 0")
+        return top_k
 
 
 class TrainingConfig(Section):
     """The trainer: optimizer, batch, and how often it publishes and checkpoints."""
 
     steps: int = Field(40, ge=1, le=10_000_000)
-    """Optimizer steps of the RL phase; policy version V counts them."""
+    """Optimizer steps of the RL phase; policy version V counts them (steps x prompts_per_step
+    at most 999,999)."""
     prompts_per_step: int = Field(16, ge=1, le=65536)
     """Prompt groups in one training batch."""
     lr: float = Field(1e-4, gt=0, le=1)
@@ -160,6 +178,15 @@ class TrainingConfig(Section):
     simulate_step_seconds: float | None = Field(None, ge=0, le=86400)
     """Benchmarks: make each optimizer step take this long (the real step runs inside it); null: off."""
 
+    @model_validator(mode="after")
+    def _slots_fit_shard_keys(self) -> TrainingConfig:
+        if self.steps * self.prompts_per_step > MAX_SLOTS:
+            raise ValueError(
+                f"steps x prompts_per_step ({self.steps} x {self.prompts_per_step}) must be at most "
+                f"{MAX_SLOTS:,}: a shard key numbers a run's prompt groups in six digits"
+            )
+        return self
+
 
 class LagConfig(Section):
     """The staleness bound between the trainer and the samples it trains on."""
@@ -171,14 +198,14 @@ class LagConfig(Section):
 class StorageConfig(Section):
     """The run directory's object storage: file://, memory:// or s3:// through fsspec."""
 
-    root: str = "file://./runs"
+    root: str = Field("file://./runs", json_schema_extra={"pattern": ROOT_PATTERN})
     """URL under which each run gets {root}/{run_id}/."""
     endpoint_url: str | None = None
     """S3 endpoint (MinIO, SeaweedFS, ...); null means AWS or $AWS_ENDPOINT_URL."""
     key: SecretStr | None = None
-    """S3 access key; null reads $AWS_ACCESS_KEY_ID."""
+    """S3 access key, given with `secret` or not at all; null: credentials_block, else $AWS_ACCESS_KEY_ID."""
     secret: SecretStr | None = None
-    """S3 secret key; null reads $AWS_SECRET_ACCESS_KEY."""
+    """S3 secret key, given with `key` or not at all; null: credentials_block, else $AWS_SECRET_ACCESS_KEY."""
     credentials_block: str | None = Field(None, pattern=r"^[a-z0-9][a-z0-9-]{0,127}$")
     """Name of a Prefect Secret block holding {"key": ..., "secret": ...}; wins over the env vars."""
     retry_seconds: float = Field(30.0, ge=0, le=3600)
@@ -198,11 +225,19 @@ class StorageConfig(Section):
             raise ValueError(f"root must name a bucket, like s3://BUCKET or s3://BUCKET/PREFIX, got {root!r}")
         return f"{scheme}://{rest.rstrip('/') or rest[:1]}"  # trailing slashes off; file:/// stays /
 
+    @model_validator(mode="after")
+    def _key_with_secret(self) -> StorageConfig:
+        if (self.key is None) != (self.secret is None):
+            given, missing = ("key", "secret") if self.secret is None else ("secret", "key")
+            raise ValueError(f"storage.{given} is set but storage.{missing} is not: give both, or neither "
+                             "(then they come from storage.credentials_block or the AWS_* variables)")  # fmt: skip
+        return self
+
 
 class EnvConfig(Section):
     """The environment: task, reward and prompts."""
 
-    entrypoint: str = "tasks.envs.calculator:CalculatorEnv"
+    entrypoint: str = Field("tasks.envs.calculator:CalculatorEnv", json_schema_extra={"pattern": f"^{ENTRYPOINT_FORM}$"})
     """Import path `package.module:Class` of the environment."""
     kwargs: dict[str, Any] = Field(default_factory=dict)
     """Keyword arguments passed to the environment's constructor."""
@@ -217,7 +252,7 @@ class EnvConfig(Section):
     @field_validator("entrypoint")
     @classmethod
     def _import_path(cls, entrypoint: str) -> str:
-        if not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", entrypoint):
+        if not re.fullmatch(ENTRYPOINT_FORM, entrypoint):
             raise ValueError(f"entrypoint must look like 'package.module:Class', got {entrypoint!r}")
         return entrypoint
 
@@ -268,7 +303,8 @@ class PrefectConfig(Section):
     watch_seconds: float = Field(2.0, gt=0, le=600)
     """Deployed mode: how often the parent looks at its children and the scale request."""
     evaluate_every: int = Field(0, ge=0, le=1_000_000)
-    """Mark every this-many-th published snapshot for evaluation (the `evaluation` trigger); 0: none."""
+    """Mark each published snapshot whose version is a multiple of this for evaluation (the
+    `evaluation` trigger); 0: none."""
     autoscale: AutoscaleConfig | None = None
     """Deployed mode: size the generation side between min and max automatically; null: fixed."""
 
@@ -276,7 +312,7 @@ class PrefectConfig(Section):
 class RunConfig(Section):
     """A whole run: what `tandem run` takes and what {root}/{run_id}/config.json records."""
 
-    run_id: str = "tiny"
+    run_id: str = Field("tiny", json_schema_extra={"pattern": RUN_ID_PATTERN.pattern, "maxLength": 64})
     """Name of the run directory: letters, digits, `.`, `_`, `-`; at most 64 characters."""
     seed: int = Field(0, ge=0, le=2**32 - 1)
     """Seed of every random number generator of the run."""

@@ -23,7 +23,7 @@ from prefect import flow
 from pydantic import Field
 
 from configs import DEPLOYED_CONFIG, load_config
-from configs.schema import RunConfig, RunId
+from configs.schema import RunConfig, RunId, TrainingConfig
 from flows.pipeline import pipeline
 from infra.storage import open_run_store
 from tasks.checkpoints import latest_checkpoint_step
@@ -68,7 +68,7 @@ def retrain(
 def _continued(source: RunConfig, store, steps: int) -> RunConfig:
     """The same run, `steps` steps past its newest checkpoint."""
     start = latest_checkpoint_step(store) or 0
-    training = source.training.model_copy(update={"steps": start + steps})
+    training = TrainingConfig.model_validate(source.training.model_dump() | {"steps": start + steps})  # the slot limit
     return source.model_copy(update={"training": training})
 
 

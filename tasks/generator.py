@@ -40,7 +40,7 @@ from infra.storage import RunStore, open_run_store
 from tasks.envs import Prompt, load_environment
 from tasks.lag import SlotClaims, admission_capacity, claim_share, read_trainer_state, required_version
 from tasks.rollout import run_group
-from tasks.shards import MAX_SEQ, committed_slots, parse_shard_key, shard_key, write_shard
+from tasks.shards import committed_slots, parse_shard_key, shard_key, write_shard
 from tasks.snapshots import latest_version, load_snapshot, pin_snapshot, snapshot_prefix, snapshot_versions
 
 log = logging.getLogger(__name__)
@@ -187,8 +187,6 @@ class Generator:
     """One producer's admission state, engines and weights."""
 
     def __init__(self, config: RunConfig, producer: str, fleet: EngineFleet, cache_dir: Path):
-        if config.training.prompts_per_step * config.training.steps > MAX_SEQ:
-            raise ValueError("more slots than a shard key's 6-digit sequence can number")
         self.config = config
         self.producer = producer
         self.fleet = fleet

@@ -43,6 +43,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from configs.schema import MAX_SLOTS
 from infra.storage import RunStore
 
 log = logging.getLogger(__name__)
@@ -50,7 +51,7 @@ log = logging.getLogger(__name__)
 SCHEMA_VERSION = 1
 SCHEMA_VERSION_KEY = b"tandem.schema_version"
 LOGPROB_TOLERANCE = 1e-5
-MAX_SEQ = 999_999
+MAX_SEQ = MAX_SLOTS
 MAX_VERSION = 99_999_999  # the 8 digits of v{V:08d}
 LOSS_MASK_VALUES = pa.array([0, 1], pa.int8())
 PRODUCER_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,64}")

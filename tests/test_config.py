@@ -75,7 +75,7 @@ BAD_CONFIGS = [
     ("seed: 1\n", ["seed.x=1"], "seed is not a section"),
     ("training: {lr: 0}\n", [], "training.lr"),
     ("key: [unclosed\n", [], "not valid YAML"),
-    ("prefect:\n  mode: deployed\nstorage:\n  key: AKIA\n", [], "storage.key and storage.secret must be null"),
+    ("prefect:\n  mode: deployed\nstorage:\n  key: AKIA\n  secret: s3cr3t\n", [], "storage.key and storage.secret must be null"),
     ("prefect:\n  mode: cloud\n", [], "prefect.mode: Input should be 'local' or 'deployed'"),
     ("prefect:\n  deployment: a/b\n", [], "prefect.deployment"),
     ("storage:\n  credentials_block: My Block\n", [], "storage.credentials_block"),
@@ -178,12 +178,12 @@ def test_init_with_a_bad_config_writes_nothing(tmp_path: Path):
 def test_config_show_json_leaves_secrets_out_and_says_how_to_supply_them():
     # Its output is what a deployed run is submitted with: "**********" would become the api key.
     result = runner.invoke(app, ["config", "show", str(CONFIG_DIR / "tiny.yaml"), "--json",
-                                 "--set", "engine.api_key=k3y", "--set", "storage.secret=s3cr3t"])  # fmt: skip
+                                 "--set", "engine.api_key=k3y", "--set", "storage.key=AKIA", "--set", "storage.secret=s3cr3t"])  # fmt: skip
     assert result.exit_code == 0, result.output
     shown = json.loads(result.stdout)
     assert shown["engine"]["api_key"] is None and shown["storage"]["secret"] is None and shown["storage"]["key"] is None
-    assert "k3y" not in result.output and "s3cr3t" not in result.output and "*****" not in result.stdout
-    assert "left out of the JSON (null): engine.api_key, storage.secret." in result.stderr
+    assert "k3y" not in result.output and "s3cr3t" not in result.output and "AKIA" not in result.output and "*****" not in result.stdout
+    assert "left out of the JSON (null): engine.api_key, storage.key, storage.secret." in result.stderr
     assert "AWS_ACCESS_KEY_ID" in result.stderr and "storage.credentials_block" in result.stderr
     plain = runner.invoke(app, ["config", "show", str(CONFIG_DIR / "tiny.yaml"), "--json"])
     assert plain.stderr == "", "nothing left out, nothing to say"
