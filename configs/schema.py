@@ -61,7 +61,8 @@ class ModelConfig(Section):
     intermediate_size: int = Field(512, ge=8, le=65536)
     """MLP width of the factory-built model."""
     max_position_embeddings: int = Field(64, ge=16, le=131072)
-    """Longest sequence (prompt plus completion) the model handles."""
+    """Longest episode (prompt plus completions) that rollouts and evaluation build; it applies to
+    a `path` model too, so set it to that model's context."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Parameter dtype; float32 on CPU."""
 
@@ -128,7 +129,7 @@ class GenerationConfig(Section):
     """Sampling temperature; 0 is greedy."""
     top_p: float = Field(1.0, gt=0, le=1)
     """Nucleus sampling mass."""
-    top_k: int = Field(-1, ge=-1)
+    top_k: int = Field(-1, ge=-1, json_schema_extra={"not": {"const": 0}})
     """Top-k cut-off; -1 disables it (SGLang's convention, which refuses 0)."""
     max_new_tokens: int = Field(16, ge=1, le=32768)
     """Most tokens the model generates in one turn."""
@@ -315,7 +316,8 @@ class RunConfig(Section):
     run_id: str = Field("tiny", json_schema_extra={"pattern": RUN_ID_PATTERN.pattern, "maxLength": 64})
     """Name of the run directory: letters, digits, `.`, `_`, `-`; at most 64 characters."""
     seed: int = Field(0, ge=0, le=2**32 - 1)
-    """Seed of every random number generator of the run."""
+    """Seed of the initial model's weights, the prompt sets and the warm-start's sampling. Engines
+    sample unseeded: with batching and timing in play, a rollout is not reproducible anyway."""
     model: ModelConfig = Field(default_factory=ModelConfig)
     """The policy model."""
     engine: EngineConfig = Field(default_factory=EngineConfig)

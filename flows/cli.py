@@ -1,6 +1,6 @@
 """The `tandem` command line: a thin layer over configs/, infra/ and the flows.
 
-Commands: `run` (train end to end on the embedded default), `init` (lay out a run directory
+Commands: `run CONFIG` (train end to end; configs/tiny.yaml is the embedded default), `init` (lay out a run directory
 with its config and the initial weight snapshot), `eval` (score a snapshot), `deploy` (work
 pools and deployments on a Prefect server), `scale` (generation runs of a deployed run),
 `config show|schema` (inspect a run configuration), `storage up` (a local S3 server on

@@ -1,6 +1,6 @@
 """Deployed mode's parent: the children run as deployment runs on their work pools, watched.
 
-`supervise` starts one `training` run (pool `training`) and `prefect.generators` `generation`
+`Supervisor.run` starts one `training` run (pool `training`) and `prefect.generators` `generation`
 runs (pool `inference`) with `run_deployment(..., as_subflow=True)`, so the UI shows them under
 the pipeline run, and then watches them every `prefect.watch_seconds` until training is over:
 

@@ -5,7 +5,7 @@ own (so its SQLite database and settings touch nothing of the user's), one `pref
 start --pool NAME` per work pool, and everything talking over HTTP. Each process is started in a
 session of its own and stopped by its process group id, never by name.
 
-Two gotchas handled here (../shared/FACTS.md): a worker started from a non-interactive shell
+Two gotchas handled here: a worker started from a non-interactive shell
 inherits SIGINT ignored and then ignores SIGTERM too, so SIGINT is reset to the default in the
 child; and workers poll every 15 s by default, so `worker_env` sets a 1 s poll for tests.
 """

@@ -2,7 +2,7 @@
 
 `RunStore` is a run directory ({root}/{run_id}/) seen as a flat key space ("rollouts/v00000001/
 gen0-000003.parquet"). Everything above infra/ reads and writes through it and never learns which
-backend it is on. Two commit primitives carry the atomicity contract of DESIGN.md:
+backend it is on. Two commit primitives carry the atomicity contract of docs/architecture.md:
 
 - `write_atomic(key, data)`: readers see the old object or the new one, never a partial one
   (S3 PUT is atomic per object; file:// writes a hidden temporary file and renames it).
@@ -382,7 +382,7 @@ def open_run_store(storage: StorageConfig, run_id: str) -> RunStore:
 
 def s3_filesystem(storage: StorageConfig) -> fsspec.AbstractFileSystem:
     """An s3fs filesystem with listing caches off (readers must see new shards at once) and
-    botocore's own retries cut to one attempt, so that `RunStore._retry` owns the backoff.
+    botocore's own retries cut to two attempts, so that `RunStore._retry` owns the backoff.
 
     fsspec's instance cache is kept on: a thread gets one filesystem, and so one botocore
     client, per set of credentials. Every rollout group opens the run's store, and building a

@@ -1,3 +1,3 @@
-"""Prefect tasks and the domain logic they run: rollouts, environments and rewards, rollout shards
-(shards.py), weight snapshots, lag control, loss, trainer step and metrics. Every task wraps a
-plain function that runs and is tested without Prefect. Imports infra/ and configs/, never flows/."""
+"""The domain logic, runnable and tested without Prefect (the flows wrap it in Prefect tasks):
+rollouts, environments and rewards, rollout shards (shards.py), weight snapshots, lag control,
+loss, trainer step, checkpoints and metrics. Imports infra/ and configs/, never flows/."""

@@ -15,7 +15,7 @@
    and a checkpoint with the ledger is saved.
 
 The ledger records every shard key the learner has disposed of (trained, dropped stale,
-quarantined) and every trained group id. It is saved in each checkpoint, so a restarted trainer
+quarantined, duplicate of a group already trained) and every trained group id. It is saved in each checkpoint, so a restarted trainer
 resumes at the checkpoint's step knowing exactly which shards that lineage of weights has seen:
 none is trained twice, and none that it had not trained is skipped.
 """
@@ -51,7 +51,7 @@ class Ledger:
     """Every shard the learner has disposed of, and the counts of the accounting identity."""
 
     disposed: dict[str, str] = field(default_factory=dict)
-    """Shard key -> "trained", "stale" or "quarantined"."""
+    """Shard key -> "trained", "stale", "quarantined" or "duplicate"."""
     trained_groups: list[str] = field(default_factory=list)
     counts: dict[str, int] = field(
         default_factory=lambda: {"trained": 0, "dropped_stale": 0, "quarantined": 0, "duplicate": 0}

@@ -1,7 +1,8 @@
 """Metrics: one JSON object a line in {run}/metrics/{component}.jsonl.
 
-Each component (trainer, each generator, evaluation) owns its own file, so no two writers ever
-touch one object. Object storage cannot append, so `MetricsLog` keeps the component's lines and
+Each component (trainer, each generator, evaluation) owns its own file, so no two writers
+touch one object; the exception is a deployed run's evaluations, where the pipeline's closing
+evaluation may overlap a triggered one and a line of one can be lost. Object storage cannot append, so `MetricsLog` keeps the component's lines and
 rewrites the object atomically, at most every `flush_seconds` and on close: a reader always sees
 whole lines, and a crash loses at most the last few seconds of metrics, never a run's data.
 """

@@ -1,6 +1,6 @@
 """Rollout shards: Parquet files of trajectories that generation writes and training reads.
 
-One row is one trajectory with the rollout record of DESIGN.md (`Rollout`, `ROLLOUT_SCHEMA`);
+One row is one trajectory with the rollout record of docs/architecture.md (`Rollout`, `ROLLOUT_SCHEMA`);
 one shard is one Parquet file at `rollouts/v{V:08d}/{producer}-{seq:06d}.parquet`, where V is the
 lowest `policy_version` of its rows, so a reader finds the shards of a version window by listing
 a few prefixes. The parts, and why they are built this way:

@@ -11,11 +11,12 @@ retention never deletes LATEST or a pinned version, and deletes a snapshot's MAN
 other files, so that no reader starts on a half-deleted snapshot.
 Version 0 (the initial model) is a multiple of every `keep_every`, so retention always keeps it.
 
-`load_snapshot` always copies into a local cache directory and verifies there, on file:// too,
-rather than verifying the store's own directory in place: a private copy cannot be deleted by a
+`load_snapshot` always fetches into a local cache directory and verifies there, on file:// too,
+rather than verifying the store's own directory in place: what it fetched cannot be deleted by a
 retention sweep while an engine reads it, stray uncommitted files in the store never reach
-from_pretrained, and every backend takes one code path. The copy of a tiny model costs
-milliseconds; a real model's copy is what an S3 reader pays anyway.
+from_pretrained, and every backend takes one code path. On file:// the fetch hard-links the
+committed files when the cache is on the same filesystem (a committed file is never rewritten, so
+the link keeps the verified bytes); elsewhere it copies them, which an S3 reader pays anyway.
 
 A consumer that must not lose its snapshot mid-load pins it first (`pin_snapshot`), then loads;
 a ManifestError from `load_snapshot` means the version was retired meanwhile: read LATEST again.

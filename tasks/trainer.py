@@ -11,7 +11,7 @@ the supervised warm-start that precedes RL. Plain torch, no Prefect, no DDP.
   gradient-norm clipping, one AdamW step. The reported grad_norm is the norm BEFORE clipping (what
   the loss asked for); a non-finite one raises and leaves the weights untouched, since a NaN step
   would be published to every generator.
-- Version: `Trainer.version` is the policy version V of DESIGN.md, the number of RL optimizer
+- Version: `Trainer.version` is the policy version V of docs/architecture.md, the number of RL optimizer
   steps applied. The warm-start does not count: it runs before v0 is published, so v0 IS the
   warm-started model and every rl_step makes V+1. A sample of version v trained in the step
   that makes V+1 has lag V - v (reported as lag_mean / lag_max).

@@ -71,15 +71,16 @@ def test_prefect_refuses_a_bad_run_id_parameter_at_submission(run_id):
 @pytest.mark.parametrize(
     "config",
     [{"run_id": "../x"}, {"storage": {"root": "http://x"}}, {"storage": {"root": "s3:///"}},
-     {"env": {"entrypoint": "tasks/envs.py"}}],  # fmt: skip
-    ids=["run_id", "root scheme", "root without bucket", "entrypoint"],
+     {"env": {"entrypoint": "tasks/envs.py"}}, {"generation": {"top_k": 0}}],  # fmt: skip
+    ids=["run_id", "root scheme", "root without bucket", "entrypoint", "top_k 0"],
 )
 def test_prefect_refuses_bad_fields_of_the_config_parameter_at_submission(config):
     """Fields whose validator is Python code carry a pattern too, so that the server refuses them
     before a run exists rather than the run failing once it starts."""
     flow = load_flow_from_entrypoint(str(ROOT / DEPLOYMENTS["pipeline"]["entrypoint"]))
     schema = parameter_schema(flow.fn).model_dump_for_openapi()
-    good = {"run_id": "demo", "storage": {"root": "s3://tandem/runs"}, "env": {"entrypoint": "tasks.envs.calculator:CalculatorEnv"}}
+    good = {"run_id": "demo", "storage": {"root": "s3://tandem/runs"}, "generation": {"top_k": 5},
+            "env": {"entrypoint": "tasks.envs.calculator:CalculatorEnv"}}  # fmt: skip
     validate({"config": good}, schema, raise_on_error=True, ignore_required=True)
     with pytest.raises(ValidationError):
         validate({"config": config}, schema, raise_on_error=True, ignore_required=True)

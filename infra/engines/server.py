@@ -1,4 +1,4 @@
-"""The engine HTTP server: SGLang's native API subset (DESIGN.md) over `CpuEngine` or `SimEngine`.
+"""The engine HTTP server: SGLang's native API subset (docs/architecture.md) over `CpuEngine` or `SimEngine`.
 
 Routes validate their bodies with the pydantic models of api.py, which are the contract shared
 with the client and checked against SGLang's own field names, so a request SGLang would refuse is
