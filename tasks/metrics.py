@@ -1,10 +1,11 @@
 """Metrics: one JSON object a line in {run}/metrics/{component}.jsonl.
 
 Each component (trainer, each generator, evaluation) owns its own file, so no two writers
-touch one object; the exception is a deployed run's evaluations, where the pipeline's closing
-evaluation may overlap a triggered one and a line of one can be lost. Object storage cannot append, so `MetricsLog` keeps the component's lines and
-rewrites the object atomically, at most every `flush_seconds` and on close: a reader always sees
-whole lines, and a crash loses at most the last few seconds of metrics, never a run's data.
+touch one object. The exception is a deployed run's evaluations: the pipeline's closing one may
+finish within the same milliseconds as a triggered one, and then one line is lost. Object
+storage cannot append, so `MetricsLog` keeps the component's lines and rewrites the object
+atomically, at most every `flush_seconds` and on close: a reader always sees whole lines, and a
+crash loses at most the last few seconds of metrics, never a run's data.
 """
 
 from __future__ import annotations
