@@ -43,6 +43,7 @@ from infra.storage import open_run_store
 from tasks.generator import GroupResult, GroupSpec, Generator, SnapshotRejected, generate_group, snapshot_dir_for_engines
 from tasks.lag import IN_FLIGHT_TTL_SECONDS, live_producers, publish_in_flight, read_trainer_state, retire_requested, withdraw_in_flight
 from tasks.metrics import MetricsLog
+from tasks.snapshots import unpin_snapshot
 
 
 POLL_SECONDS = 0.2
@@ -169,6 +170,7 @@ def _generate(config: RunConfig, producer: str, cache: Path) -> dict:
         for chunk in in_flight:
             _record(metrics, totals, chunk.future.result(), fleet.version)
         withdraw_in_flight(store, producer)
+        unpin_snapshot(store, producer)  # a retired generator's version would be kept for good
     totals.pop("keys", None)
     totals["retired"] = retiring.requested
     metrics.log("finished", busy_seconds=time.monotonic() - busy_since - idle_seconds, idle_seconds=idle_seconds, **totals)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -221,6 +222,8 @@ class Generator:
         was none, else where the time went: `fetch_seconds` (download and verify),
         `pause_seconds` (every engine confirming a pause), `load_seconds` (from then until every
         engine has loaded and continued) and `start_seconds` (`while_loading`, during the load).
+        The local copy of the weights loaded before is removed: only the engines' current
+        version stays on this machine's disk.
 
         `while_loading` (the flow's "start what admission allows") runs once every engine has
         confirmed a pause, beside the load (a thread), with `loaded_version` already the new
@@ -241,6 +244,7 @@ class Generator:
         if newest is None or newest <= self.fleet.version or newest in self.rejected_snapshots:
             return None
         began = time.monotonic()
+        previous = self.fleet.model_dir
         pin_snapshot(self.store, self.producer, newest)
         try:
             local = load_snapshot(self.store, self.cache_dir / "weights", newest)
@@ -264,6 +268,8 @@ class Generator:
         failed = [r for r in results if not r.ok]
         if failed:
             log.warning("engines failed to load v%d: %s", newest, [(r.url, r.message) for r in failed])
+        if previous.parent == self.cache_dir / "weights":  # engines restart on the new files; a
+            shutil.rmtree(previous, ignore_errors=True)  # real model's every version would fill the disk
         return {"fetch_seconds": fetched - began, "pause_seconds": loading - fetched,
                 "load_seconds": loaded - loading, "start_seconds": starting - loading}  # fmt: skip
 

@@ -135,3 +135,15 @@ def test_no_work_starts_during_a_load_that_an_engine_did_not_pause_for(generator
     started = []
     assert gen.refresh_weights(while_loading=lambda: started.append(gen.loaded_version))
     assert started == []
+
+
+def test_a_load_leaves_only_the_loaded_version_on_local_disk(generator):
+    """A generator that kept each version it loaded would hold a full copy of a real model per
+    published step on its machine's disk."""
+    gen, store = generator
+    _publish_v1(gen, store)
+    assert gen.refresh_weights()
+    assert sorted(p.name for p in (gen.cache_dir / "weights").iterdir()) == ["v00000001"]
+    gen.fleet.processes[0].stop()
+    assert gen.fleet.restart_dead() == gen.fleet.urls, "an engine that died restarts on the version kept"
+    assert httpx.get(gen.fleet.urls[0] + "/server_info", timeout=10).json()["weight_version"] == "1"

@@ -98,6 +98,7 @@ def test_run_directory_holds_shards_snapshots_checkpoints_and_metrics(finished_r
     assert [r["version"] for r in steps] == [1, 2, 3]
     assert all(r["lag_max"] <= 1 for r in steps)
     assert steps[0]["kl"] < 1e-6 < steps[-1]["kl"], "the KL term measures the policy against v0"
+    assert not list((finished_run / "weights" / "pins").glob("*.json")), "a finished run holds no snapshot"
     evaluations = records(finished_run, "evaluation")
     assert [e["version"] for e in evaluations] == [0, 3]
 
