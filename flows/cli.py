@@ -151,8 +151,9 @@ def run(
     from tasks.rundir import RunConflict, check_recorded_config, check_run_inputs
 
     try:  # here too, so that a typo or a reused run id is one line and not a failed flow run
-        check_run_inputs(resolved)
-        check_recorded_config(open_run_store(resolved.storage, resolved.run_id), resolved)
+        store = open_run_store(resolved.storage, resolved.run_id)
+        check_run_inputs(resolved, store)
+        check_recorded_config(store, resolved)
     except (RunConflict, ConfigError) as err:
         fail(str(err))
     except (StorageUnavailable, StorageRejected) as err:

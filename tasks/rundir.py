@@ -120,10 +120,10 @@ def read_recorded_config(store: RunStore) -> dict:
 def initialize_run(config: RunConfig) -> RunStore:
     """Open the run directory, record the config, and publish the initial model as v0 once:
     warm-started on the environment's demonstrations when training.warmup_steps > 0."""
-    check_run_inputs(config)
     store = open_run_store(config.storage, config.run_id)
+    check_run_inputs(config, store)
     write_run_config(store, config)
-    if 0 not in snapshot_versions(store) and latest_version(store) is None:
+    if not _has_initial_snapshot(store):
         with tempfile.TemporaryDirectory(prefix="tandem-init-") as staging:
             model_dir = prepare_initial_model(config.model, Path(staging) / "model", config.seed)
             if config.training.warmup_steps == 0:
@@ -135,9 +135,16 @@ def initialize_run(config: RunConfig) -> RunStore:
     return store
 
 
-def check_run_inputs(config: RunConfig) -> None:
+def _has_initial_snapshot(store: RunStore) -> bool:
+    return 0 in snapshot_versions(store) or latest_version(store) is not None
+
+
+def check_run_inputs(config: RunConfig, store: RunStore) -> None:
     """ConfigError naming the field unless env.entrypoint loads, the environment accepts env.kwargs,
-    and model.path (if set) is an HF model directory: what only importing and building can tell."""
+    and model.path (if set) is an HF model directory: what only importing and building can tell.
+
+    model.path is read once, to make v0, so it is checked only while the run has no v0: a run
+    that `retrain --param new_run_id=...` started from a directory since removed continues."""
     try:
         env_cls = load_environment(config.env.entrypoint)
     except EnvironmentLoadError as err:
@@ -146,7 +153,7 @@ def check_run_inputs(config: RunConfig) -> None:
         env_cls(max_turns=config.env.max_turns, **config.env.kwargs)
     except Exception as err:  # whatever the user's class raises on these kwargs, a retry reads the same
         raise ConfigError(f"env.kwargs: {config.env.entrypoint} refuses them: {type(err).__name__}: {err}") from None
-    if config.model.path is not None:
+    if config.model.path is not None and not _has_initial_snapshot(store):
         try:
             given_model_dir(config.model.path)
         except FileNotFoundError as err:

@@ -348,3 +348,20 @@ def test_an_evaluation_of_a_version_not_kept_names_it_and_leaves_no_pin(tmp_path
     with pytest.raises(SnapshotMissing, match="no snapshot v7 under .*kept: v0"):
         evaluation.fn(config, version=7)
     assert pinned_versions(store) == set() and not store.list("weights/pins")
+
+
+def test_model_path_is_needed_only_until_v0_exists(tmp_path: Path):
+    """`retrain --param new_run_id=...` starts a run from a fetched snapshot in a directory it then
+    removes; continuing that run must not ask for the directory again."""
+    from configs import ConfigError
+    from tasks.rundir import initialize_run
+    from tests.conftest import committed_model_dir
+
+    model = committed_model_dir(tmp_path / "model", seed=0)
+    overrides = [f"storage.root=file://{tmp_path}/runs", f"model.path={model}", "training.warmup_steps=0"]
+    initialize_run(load_config(TINY_CONFIG, [*overrides, "run_id=successor"]))
+    shutil.rmtree(model)
+    store = initialize_run(load_config(TINY_CONFIG, [*overrides, "run_id=successor"]))
+    assert snapshot_versions(store) == [0]
+    with pytest.raises(ConfigError, match="is not an HF model directory"):
+        initialize_run(load_config(TINY_CONFIG, [*overrides, "run_id=fresh"]))
