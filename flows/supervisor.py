@@ -31,6 +31,7 @@ generators and failed the run.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
 from uuid import UUID
@@ -65,6 +66,12 @@ itself already retried for about a minute by Prefect's client) before it gives u
 
 class ChildRunFailed(RuntimeError):
     """A child run of the pipeline ended in a state other than Completed."""
+
+
+def _ended(state) -> str:
+    """A final state for a person: its name and Prefect's message, which names the exception."""
+    message = " ".join((state.message or "").split())
+    return f"{state.name} ({message[:400]})" if message else state.name
 
 
 def _share(value: float | None) -> str:
@@ -113,7 +120,12 @@ class Supervisor:
         self.generators[producer] = self.start("generation", producer=producer).id
 
     def run(self) -> None:
-        """Start the children and watch them until training is over; raise if it failed."""
+        """Start the children and watch them until training is over; raise if it failed.
+
+        A `tandem scale` request lasts for one pipeline run: it is cleared as the run starts
+        and ends, so that a request left from an earlier run (or a retrain of it) does not
+        override `prefect.generators`."""
+        Variable.unset(scale_variable(self.config.run_id))
         self.training = self.start("training")
         self.training_state = self.training.state
         for i in range(self.target):
@@ -125,6 +137,9 @@ class Supervisor:
         except BaseException:
             self.drain(0.0)
             raise
+        finally:
+            with contextlib.suppress(Exception):  # the API may be what failed the run
+                Variable.unset(scale_variable(self.config.run_id))
         if not state.is_completed():
             raise ChildRunFailed(f"training run {self.training.name} ended {state.name}: {state.message or ''}".strip())
 
@@ -177,10 +192,10 @@ class Supervisor:
                 self.gave_up = True
                 self.log.error("generation %s ended %s; no restarts left, and no generation runs will be added", producer, state.name)
                 if not self.generators:
-                    request_stop(self.store, f"every generation run failed; the last, {producer}, ended {state.name}")
+                    request_stop(self.store, f"every generation run failed; the last, {producer}, ended {_ended(state)}")
                 continue
             self.restarts += 1
-            self.log.warning("generation %s ended %s: restarting it (%d of %d)", producer, state.name,
+            self.log.warning("generation %s ended %s: restarting it (%d of %d)", producer, _ended(state),
                              self.restarts, self.config.prefect.generation_restarts)  # fmt: skip
             self.start_generator(producer)
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
+from flows.supervisor import scale_variable
 from flows.ui import artifact_key
 from benchmarks.prefect_restart import restart_mid_run
 from infra.deployed_harness import Deployment, bin_path, flow_run_id_from
@@ -193,6 +194,8 @@ def test_scale_up_and_down_mid_run(deployment):
     assert {parse_shard_key(k).producer for k in list_shards(store)} == {"gen0", "gen1"}
     report = json.loads(store.read_bytes("summary.json"))
     assert report["identity_holds"] and report["max_trained_lag"] <= 1 and report["steps"] == 20
+    with deployment.client() as client:  # a request lasts one run: a retrain of it starts with prefect.generators
+        assert client.read_variable_by_name(scale_variable(run_id)) is None
 
 
 def test_killed_generation_run_is_restarted(deployment):
@@ -236,6 +239,7 @@ def test_generation_that_fails_for_good_fails_the_run_and_leaves_nothing_running
     parent = deployment.wait_final(flow_run_id, timeout=600)
     assert parent.state.is_failed()
     assert "every generation run failed" in parent.state.message, parent.state.message
+    assert "RuntimeError: environment bug" in parent.state.message, "the run says why its generation failed"
     children = deployment.children(flow_run_id)
     assert all(r.state.is_final() for _, r in children), [(n, r.state.name) for n, r in children]
     assert len([r for name, r in children if name == "generation"]) == 2, "one start and one restart"
