@@ -148,22 +148,28 @@ def run(
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     from flows.pipeline import pipeline
     from infra.storage import StorageRejected, StorageUnavailable, open_run_store
+    from tasks.lease import RunInUse, check_run_free
     from tasks.rundir import RunConflict, check_recorded_config, check_run_inputs
 
     try:  # here too, so that a typo or a reused run id is one line and not a failed flow run
         store = open_run_store(resolved.storage, resolved.run_id)
         check_run_inputs(resolved, store)
         check_recorded_config(store, resolved)
+        check_run_free(store)
     except (RunConflict, ConfigError) as err:
         fail(str(err))
     except (StorageUnavailable, StorageRejected) as err:
         fail(f"storage.root {resolved.storage.root}: {err}", code=1)
+    except RunInUse as err:
+        fail(str(err), code=1)
     if resolved.prefect.mode == "local" or resolved.env.eval_prompts:  # this process starts engines
         require_engine_backend(resolved)
     try:
         pipeline(resolved)
     except (RunConflict, ConfigError) as err:
         fail(str(err))
+    except RunInUse as err:  # taken between the check above and the pipeline's claim
+        fail(str(err), code=1)
 
 
 def run_command(config: Path, overrides: list[str]) -> list[str]:

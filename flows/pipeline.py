@@ -11,7 +11,9 @@ ends the trainer's wait for data. Either way the failure propagates. An interrup
 (Ctrl-C) sends the stop request itself, on which the trainer stops and marks itself done, and
 exits anyway if its children have not stopped within `INTERRUPT_GRACE_SECONDS`: a terminal's
 Ctrl-C also reaches the Dask workers and Prefect's temporary server, without which a child can
-wait forever. The run resumes from its newest checkpoint when started again.
+wait forever. The run resumes from its newest checkpoint when started again. From its set-up
+to its summary a pipeline holds its run directory's lease (tasks/lease.py): a second pipeline of
+the same run is refused with `RunInUse` instead of training beside it.
 
 Run it with `tandem run configs/tiny.yaml` or `python -m flows.pipeline configs/tiny.yaml`.
 """
@@ -28,6 +30,7 @@ from prefect import flow, task
 from prefect.futures import PrefectFuture
 from prefect.client.orchestration import get_client
 from prefect.cache_policies import NONE
+from prefect.runtime import flow_run
 
 from configs import DEPLOYED_CONFIG, ConfigError, load_config
 from configs.schema import RunConfig, RunId
@@ -37,8 +40,9 @@ from flows.progress import print_summary, watch_run
 from flows.supervisor import Supervisor
 from flows.training import training
 from flows.ui import publish_summary
-from infra.storage import open_run_store
+from infra.storage import RunStore, open_run_store
 from tasks.lag import reopen_run, request_stop
+from tasks.lease import hold_run
 from tasks.report import write_summary
 from tasks.rundir import RunConflict, initialize_run
 
@@ -103,7 +107,13 @@ def pipeline(config: RunConfig | None = None, run_id: RunId | None = None) -> di
     share_prefect_api_with_workers()
     url = initialize(config)
     print(f"run directory: {url}")
-    reopen_run(open_run_store(config.storage, config.run_id))
+    store = open_run_store(config.storage, config.run_id)
+    with hold_run(store, f"{flow_run.get_name()} ({flow_run.get_id()})"):  # RunInUse: another pipeline has it
+        return _train_and_report(config, store, url)
+
+
+def _train_and_report(config: RunConfig, store: RunStore, url: str) -> dict:
+    reopen_run(store)
     before = evaluation(config) if config.env.eval_prompts else None
     if config.prefect.mode == "deployed":
         Supervisor(config).run()
@@ -123,7 +133,7 @@ def pipeline(config: RunConfig | None = None, run_id: RunId | None = None) -> di
         for generator in generators:
             generator.result()
     after = evaluation(config) if config.env.eval_prompts else None
-    summary = write_summary(open_run_store(config.storage, config.run_id), before, after)
+    summary = write_summary(store, before, after)
     publish_summary(summary, url, config.run_id)
     print_summary(summary, url)
     return summary

@@ -27,6 +27,7 @@ import io
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -254,6 +255,11 @@ CLI_CASES = [
     cli("run of a run id started with another config",
         Cli(("run", str(TINY_CONFIG), *INTO_TMP, "--run-id", "base", "--set", "training.lr=0.5")),
         ("run 'base' at file://{tmp}/runs/base was started with a different config", "training.lr")),
+    Case("run of a run another pipeline holds", "cli",
+         Cli(("run", str(TINY_CONFIG), *INTO_TMP, "--run-id", "held"),
+             {"runs/held/lease.json": json.dumps({"holder": "other (x)", "host": socket.gethostname(), "pid": 1,
+                                                  "at": 4102444800}).encode()}),  # pid 1 lives; renewed "in 2100"
+         1, "run file://{tmp}/runs/held is in use by pipeline other (x)"),
     Case("run with its storage down", "cli",
          Cli(("run", str(TINY_CONFIG), "--set", "storage.root=s3://tandem", "--set", "storage.retry_seconds=0",
               "--set", "storage.endpoint_url=http://127.0.0.1:1", "--set", "storage.key=k", "--set", "storage.secret=s")),
@@ -607,6 +613,7 @@ def test_config_and_cli(case: Case, pristine_run: Path, tmp_path: Path):
     shutil.copytree(pristine_run, tmp_path / "runs" / "base")
     (tmp_path / "cwd").mkdir()
     for name, data in case.feed.files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_bytes(data)
     before = tree_digest(tmp_path)
     args = [arg.replace("{tmp}", str(tmp_path)) for arg in case.feed.args]

@@ -14,7 +14,10 @@ import pytest
 
 from configs import TINY_CONFIG
 from flows.cli import run_command
+from configs.schema import StorageConfig
 from flows.pipeline import INTERRUPT_GRACE_SECONDS
+from infra.storage import open_run_store
+from tasks.lease import check_run_free
 from tasks.envs import Environment, Prompt, Segment, StepResult
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -99,6 +102,7 @@ def test_run_directory_holds_shards_snapshots_checkpoints_and_metrics(finished_r
     assert all(r["lag_max"] <= 1 for r in steps)
     assert steps[0]["kl"] < 1e-6 < steps[-1]["kl"], "the KL term measures the policy against v0"
     assert not list((finished_run / "weights" / "pins").glob("*.json")), "a finished run holds no snapshot"
+    assert not (finished_run / "lease.json").exists(), "a finished pipeline releases its run"
     evaluations = records(finished_run, "evaluation")
     assert [e["version"] for e in evaluations] == [0, 3]
 
@@ -146,6 +150,7 @@ def test_an_interrupted_run_stops_its_children_and_exits(tmp_path: Path, whom: s
         while not (trainer_state.exists() and json.loads(trainer_state.read_text())["version"] >= 2):
             assert run.poll() is None and time.monotonic() < deadline, (tmp_path / "run.log").read_text()[-3000:]
             time.sleep(0.5)
+        assert json.loads((tmp_path / "interrupted" / "lease.json").read_text())["pid"] == run.pid, "the run holds its lease"
         interrupted = time.monotonic()
         os.killpg(run.pid, signal.SIGINT) if whom == "process group" else run.send_signal(signal.SIGINT)
         returncode = run.wait(timeout=INTERRUPT_GRACE_SECONDS + 30)
@@ -159,6 +164,7 @@ def test_an_interrupted_run_stops_its_children_and_exits(tmp_path: Path, whom: s
     assert returncode == 130, output[-3000:]
     assert engines and not left, f"processes of the run still alive 15 s after it exited: {left}"
     assert "stopping the trainer and generators: the pipeline was interrupted" in output
+    check_run_free(open_run_store(StorageConfig(root=f"file://{tmp_path}"), "interrupted"))  # "start it again to resume"
     if whom == "process":
         assert took < INTERRUPT_GRACE_SECONDS, f"its children did not stop by themselves ({took:.1f} s)"
         assert json.loads(trainer_state.read_text())["done"] is True, "the trainer marked itself done"
