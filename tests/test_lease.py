@@ -1,4 +1,4 @@
-"""The run lease: one pipeline at a time per run directory, on every storage backend; a holder
+"""The run lease: one pipeline at a time per run directory, on file:// and S3; a holder
 that died gives the run up (at once on its own host, after LEASE_SECONDS elsewhere)."""
 
 from __future__ import annotations
