@@ -5,7 +5,18 @@ looks for them. `apply_deployments` creates every work pool that file names, as 
 (a worker runs each flow run as a process of its own, so cancelling one generation run stops
 exactly its engines and Dask workers), and then applies the file with `prefect --no-prompt
 deploy --all`, the command a Prefect user would type. Both steps are idempotent: a pool that
-exists is kept, and a deployment that exists is updated in place.
+exists is kept, and a deployment that exists is updated in place. A schedule the user turned on
+stays on: `prefect deploy` re-applies the file's `active: false`, so the schedules that were
+active before are resumed after it.
+
+`ensure_unresponsive_run_automation` adds Prefect's answer to a flow run whose machine was lost
+(docs.prefect.io, "detect zombie flows"): the deployments' runs send a heartbeat event every
+`HEARTBEAT_SECONDS` (prefect.yaml sets PREFECT_FLOWS_HEARTBEAT_FREQUENCY in their environment),
+and an automation marks a run Crashed once `UNRESPONSIVE_SECONDS` pass without one. A process
+that dies on a live worker is reported Crashed by that worker at once; a lost worker reports
+nothing, and without the automation its generation runs stayed Running for good, holding their
+share of the lag window, so that the run hung. Crashed, the pipeline restarts them
+(flows/supervisor.py) on the same producer ids, which take their unfinished slots over.
 """
 
 from __future__ import annotations
@@ -15,11 +26,23 @@ import subprocess
 import sys
 from pathlib import Path
 
+from datetime import timedelta
+
+from prefect.automations import Automation
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.actions import WorkPoolCreate
+from prefect.client.schemas.objects import StateType
+from prefect.events.actions import ChangeFlowRunState
+from prefect.events.schemas.automations import EventTrigger, Posture
+from prefect.events.schemas.events import ResourceSpecification
 from prefect.exceptions import ObjectNotFound
 
 DEPLOY_TIMEOUT_S = 300
+HEARTBEAT_SECONDS = 30
+"""What prefect.yaml sets PREFECT_FLOWS_HEARTBEAT_FREQUENCY to: Prefect's minimum."""
+UNRESPONSIVE_SECONDS = 3 * HEARTBEAT_SECONDS
+"""A run whose last heartbeat is this old is marked Crashed: three heartbeats missed."""
+UNRESPONSIVE_AUTOMATION = "tandem: crash unresponsive runs"
 
 
 def work_pools_of(spec: dict) -> list[str]:
@@ -42,8 +65,10 @@ def ensure_work_pools(names: list[str]) -> list[str]:
 
 
 def apply_deployments(project: Path, spec: dict) -> list[str]:
-    """Create the pools, apply prefect.yaml from `project`; returns the deployments' full names."""
+    """Create the pools, apply prefect.yaml from `project`, keep active schedules active, add
+    the automation that crashes unresponsive runs; returns the deployments' full names."""
     ensure_work_pools(work_pools_of(spec))
+    active = _active_schedules()
     prefect = Path(sys.executable).with_name("prefect")
     command = [str(prefect) if prefect.exists() else "prefect", "--no-prompt", "deploy", "--all"]
     # The pull step names the working directory as {{ $PWD }}: the project, wherever it lies.
@@ -51,7 +76,49 @@ def apply_deployments(project: Path, spec: dict) -> list[str]:
     done = subprocess.run(command, cwd=project, env=env, capture_output=True, text=True, timeout=DEPLOY_TIMEOUT_S)
     if done.returncode != 0:
         raise RuntimeError(f"`{' '.join(command[-3:])}` failed with exit code {done.returncode}:\n{(done.stdout + done.stderr)[-3000:]}")
+    _resume_schedules(active)
+    ensure_unresponsive_run_automation()
     with get_client(sync_client=True) as client:
         flows = {f.id: f.name for f in client.read_flows()}
         ours = {d["name"] for d in spec.get("deployments", [])}
         return sorted(f"{flows[d.flow_id]}/{d.name}" for d in client.read_deployments() if d.name in ours)
+
+
+def _active_schedules() -> set[tuple[str, str]]:
+    """(deployment id, schedule) of every active schedule on the server."""
+    with get_client(sync_client=True) as client:
+        return {(str(d.id), repr(s.schedule)) for d in client.read_deployments() for s in d.schedules if s.active}
+
+
+def _resume_schedules(active: set[tuple[str, str]]) -> None:
+    with get_client(sync_client=True) as client:
+        for deployment in client.read_deployments():
+            for schedule in deployment.schedules:
+                if not schedule.active and (str(deployment.id), repr(schedule.schedule)) in active:
+                    client.update_deployment_schedule(deployment.id, schedule.id, active=True)
+
+
+def ensure_unresponsive_run_automation(within_seconds: float = UNRESPONSIVE_SECONDS) -> Automation:
+    """Create (or update) the automation that marks a flow run Crashed once `within_seconds`
+    pass after its last heartbeat without another heartbeat or a final state."""
+    automation = Automation(
+        name=UNRESPONSIVE_AUTOMATION,
+        description="Marks a flow run Crashed when its heartbeats stop: its machine or worker was lost (tandem deploy).",
+        trigger=EventTrigger(
+            after={"prefect.flow-run.heartbeat"},
+            expect={"prefect.flow-run.heartbeat", *(f"prefect.flow-run.{s}" for s in ("Completed", "Failed", "Cancelled", "Crashed"))},
+            match=ResourceSpecification({"prefect.resource.id": ["prefect.flow-run.*"]}),
+            for_each={"prefect.resource.id"},
+            posture=Posture.Proactive,
+            threshold=1,
+            within=timedelta(seconds=within_seconds),
+        ),
+        actions=[ChangeFlowRunState(state=StateType.CRASHED, message=f"no heartbeat for {within_seconds:.0f} s: its machine or worker was lost")],
+    )
+    try:
+        existing = Automation.read(name=UNRESPONSIVE_AUTOMATION)
+    except ValueError:  # none of that name
+        return automation.create()
+    automation.id = existing.id
+    automation.update()
+    return automation

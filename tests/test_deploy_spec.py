@@ -13,7 +13,7 @@ from prefect.utilities.schema_tools import ValidationError, validate
 
 from flows.supervisor import scale_variable
 from flows.ui import artifact_key
-from infra.deployments import work_pools_of
+from infra.deployments import HEARTBEAT_SECONDS, UNRESPONSIVE_SECONDS, work_pools_of
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = yaml.safe_load((ROOT / "prefect.yaml").read_text())
@@ -84,3 +84,10 @@ def test_prefect_refuses_bad_fields_of_the_config_parameter_at_submission(config
     validate({"config": good}, schema, raise_on_error=True, ignore_required=True)
     with pytest.raises(ValidationError):
         validate({"config": config}, schema, raise_on_error=True, ignore_required=True)
+
+
+def test_every_run_sends_the_heartbeats_the_unresponsive_run_automation_expects():
+    for deployment in SPEC["deployments"]:
+        env = deployment["work_pool"]["job_variables"]["env"]
+        assert env["PREFECT_FLOWS_HEARTBEAT_FREQUENCY"] == str(HEARTBEAT_SECONDS), deployment["entrypoint"]
+    assert UNRESPONSIVE_SECONDS >= 3 * HEARTBEAT_SECONDS, "one late heartbeat must not crash a run"

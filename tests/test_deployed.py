@@ -17,12 +17,17 @@ import time
 from pathlib import Path
 
 import pytest
+from prefect import flow
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+from prefect.events import emit_event
+from prefect.events.worker import EventsWorker
+from prefect.states import Running
 
 from flows.supervisor import scale_variable
 from flows.ui import artifact_key
 from benchmarks.prefect_restart import restart_mid_run
 from infra.deployed_harness import Deployment, bin_path, flow_run_id_from
+from infra.deployments import ensure_unresponsive_run_automation
 from tasks.metrics import read_metrics
 from tasks.shards import list_shards, parse_shard_key
 from tasks.snapshots import snapshot_versions
@@ -331,3 +336,46 @@ def test_prefect_ui_shows_the_run_its_children_and_progress(deployment, finished
     wait.until(lambda d: d.find_elements(By.XPATH, tab))[0].click()
     wait.until(lambda d: artifact_key(run_id, "progress") in page_text(d) and artifact_key(run_id, "metrics") in page_text(d))
     browser.save_screenshot(str(TEST_ARTIFACTS / "prefect-ui-training-artifacts.png"))
+
+
+@flow
+def _heartbeat_probe() -> None:
+    """Never run: a flow for the flow runs that the heartbeat test creates by hand."""
+
+
+def _beat(flow_run_id) -> None:
+    emit_event("prefect.flow-run.heartbeat", resource={"prefect.resource.id": f"prefect.flow-run.{flow_run_id}"})
+    EventsWorker.drain_all()
+
+
+def test_a_run_whose_heartbeats_stop_is_marked_crashed_and_one_that_beats_is_not(deployment):
+    """The automation `tandem deploy` adds, for a run whose machine or worker was lost: it sends
+    nothing more, and without the automation it stayed Running for good (a lost inference worker
+    hung its run). Here with a 10 s limit instead of 90 s; restored after."""
+    ensure_unresponsive_run_automation(within_seconds=10)
+    try:
+        with deployment.client() as client:
+            lost, alive = (client.create_flow_run(_heartbeat_probe, state=Running()).id for _ in range(2))
+            _beat(lost)
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline and not client.read_flow_run(lost).state.is_final():
+                _beat(alive)
+                time.sleep(3)
+            lost_state, alive_state = client.read_flow_run(lost).state, client.read_flow_run(alive).state
+    finally:
+        ensure_unresponsive_run_automation()
+    assert lost_state.is_crashed() and "no heartbeat for 10 s" in lost_state.message, lost_state
+    assert alive_state.is_running(), alive_state
+
+
+def test_redeploying_keeps_a_schedule_the_user_turned_on(deployment):
+    with deployment.client() as client:
+        (retrain,) = [d for d in client.read_deployments() if d.entrypoint.endswith(":retrain")]
+        (schedule,) = retrain.schedules
+        client.update_deployment_schedule(retrain.id, schedule.id, active=True)
+        try:
+            deployment.cli(_bin("tandem"), "deploy")
+            (after,) = client.read_deployment(retrain.id).schedules
+        finally:
+            client.update_deployment_schedule(retrain.id, after.id, active=False)
+    assert after.active, "`tandem deploy` again turned the nightly retrain off"
