@@ -94,7 +94,10 @@ def dask_task_runner(config: RunConfig) -> DaskTaskRunner:
     CPython 3.11 a garbage collection inside that call, while another thread starts (each chunk
     secedes a thread), deadlocks the whole worker process with no error (CPython gh-106883,
     fixed in 3.12 only): a run of benchmarks/faults.py hung that way, every worker thread
-    waiting for the GIL. The nanny hands this config to the worker processes it starts."""
+    waiting for the GIL. The nanny hands this config to the worker processes it starts.
+
+    The scheduler's HTTP server takes a free port: it starts even without a dashboard, on 8787 by
+    default, and every generation run after the first on a machine warned that 8787 was taken."""
     logging.getLogger("distributed").setLevel(logging.WARNING)
     dask.config.set({"distributed.worker.profile.enabled": False})
     if config.dask.address:
@@ -102,7 +105,7 @@ def dask_task_runner(config: RunConfig) -> DaskTaskRunner:
     return DaskTaskRunner(
         cluster_class="distributed.LocalCluster",
         cluster_kwargs={"n_workers": config.dask.n_workers, "threads_per_worker": config.dask.threads_per_worker,
-                        "processes": True, "dashboard_address": None, "silence_logs": logging.WARNING},
+                        "processes": True, "dashboard_address": ":0", "silence_logs": logging.WARNING},
     )  # fmt: skip
 
 

@@ -30,7 +30,7 @@ from prefect import flow, task
 from prefect.futures import PrefectFuture
 from prefect.client.orchestration import get_client
 from prefect.cache_policies import NONE
-from prefect.runtime import flow_run
+from prefect.runtime import deployment, flow_run
 
 from configs import DEPLOYED_CONFIG, ConfigError, load_config
 from configs.schema import RunConfig, RunId
@@ -100,7 +100,16 @@ def pipeline(config: RunConfig | None = None, run_id: RunId | None = None) -> di
 
     `config` defaults to configs/deployed.yaml (what `prefect deployment run pipeline/tandem`
     runs); `run_id` overrides the config's, so that a user starts a fresh run with one --param.
+    A deployment run's `config` that leaves out the prefect section is refused: it is a partial
+    config, which would run in local mode on the training worker's disk.
     """
+    if config is not None and deployment.get_id() and "prefect" not in config.model_fields_set:
+        raise ConfigError(
+            "the config parameter has no prefect section, so the run would take RunConfig's defaults: mode "
+            "'local' (generation inside this training worker) and storage.root file://./runs on its disk. "
+            "`config` replaces configs/deployed.yaml whole: build it with "
+            "`tandem config show configs/deployed.yaml --json --set ...`"
+        )
     config = config or load_config(DEPLOYED_CONFIG)
     if run_id:
         config = RunConfig.model_validate(config.model_dump() | {"run_id": run_id})  # with the config's own checks

@@ -379,3 +379,12 @@ def test_redeploying_keeps_a_schedule_the_user_turned_on(deployment):
         finally:
             client.update_deployment_schedule(retrain.id, after.id, active=False)
     assert after.active, "`tandem deploy` again turned the nightly retrain off"
+
+
+def test_a_partial_config_is_refused_rather_than_run_in_local_mode_on_the_worker(deployment):
+    """`config` replaces configs/deployed.yaml whole: `{"training": {"steps": 5}}` alone would
+    take RunConfig's defaults, local mode and file://./runs, on the training worker."""
+    flow_run_id = deployment.start_pipeline({"training": {"steps": 5}})
+    parent = deployment.wait_final(flow_run_id, timeout=300)
+    assert parent.state.is_failed() and "the config parameter has no prefect section" in parent.state.message, parent.state
+    assert not deployment.children(flow_run_id), "no training or generation run started"
