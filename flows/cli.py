@@ -242,11 +242,14 @@ def scale(
     from prefect.variables import Variable
 
     from configs.schema import is_run_id
-    from flows.supervisor import scale_variable
+    from flows.supervisor import running_pipeline, scale_variable
 
     if not is_run_id(run_id):
         fail(f"{run_id!r} is not a run id (letters, digits, '.', '_', '-', no '..'; at most 64 characters)")
-    with prefect_server_reached(prefect_server_url()):
+    url = prefect_server_url()
+    with prefect_server_reached(url):
+        if running_pipeline(run_id) is None:
+            fail(f"no pipeline of run {run_id!r} is running on {url}: nothing to scale", code=1)
         Variable.set(scale_variable(run_id), generators, overwrite=True)
     console.print(f"run {run_id}: asked for {generators} generation run{'s' if generators != 1 else ''} (variable {scale_variable(run_id)})")
 

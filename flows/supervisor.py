@@ -37,12 +37,14 @@ import time
 from uuid import UUID
 
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.objects import FlowRun
+from prefect.client.schemas.filters import FlowFilter, FlowFilterName, FlowRunFilter, FlowRunFilterState, FlowRunFilterStateType
+from prefect.client.schemas.objects import FlowRun, StateType
 from prefect.deployments import run_deployment
 from prefect.logging import get_run_logger
 from prefect.states import Cancelling
 from prefect.variables import Variable
 
+from configs import DEPLOYED_CONFIG, load_config
 from configs.schema import RunConfig
 from flows.ui import api_unavailable
 from infra.storage import open_run_store
@@ -81,6 +83,21 @@ def _share(value: float | None) -> str:
 def scale_variable(run_id: str) -> str:
     """Name of the Prefect variable that asks run `run_id` for a number of generation runs."""
     return re.sub(r"[^a-z0-9_-]", "-", f"tandem-generators-{run_id}".lower())
+
+
+def running_pipeline(run_id: str) -> FlowRun | None:
+    """The pipeline flow run of run `run_id` that the server has Running, if there is one: what a
+    `tandem scale` request reaches (it is cleared when a pipeline of the run starts and ends)."""
+    running = FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.RUNNING])))
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["pipeline"])), flow_run_filter=running)
+    default = load_config(DEPLOYED_CONFIG).run_id
+    for run in runs:
+        given = run.parameters.get("config")
+        named = run.parameters.get("run_id") or ((given or {}).get("run_id", RunConfig().run_id) if given else default)
+        if named == run_id:
+            return run
+    return None
 
 
 class Supervisor:

@@ -388,3 +388,11 @@ def test_a_partial_config_is_refused_rather_than_run_in_local_mode_on_the_worker
     parent = deployment.wait_final(flow_run_id, timeout=300)
     assert parent.state.is_failed() and "the config parameter has no prefect section" in parent.state.message, parent.state
     assert not deployment.children(flow_run_id), "no training or generation run started"
+
+
+def test_scaling_a_run_that_is_not_running_is_refused(deployment):
+    done = subprocess.run([_bin("tandem"), "scale", "nosuchrun", "--generators", "2"],
+                          env=os.environ | deployment.env, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 1 and "no pipeline of run 'nosuchrun' is running" in done.stderr, done.stdout + done.stderr
+    with deployment.client() as client:
+        assert client.read_variable_by_name(scale_variable("nosuchrun")) is None, "no request left for a later run"
