@@ -43,6 +43,9 @@ HEARTBEAT_SECONDS = 30
 UNRESPONSIVE_SECONDS = 3 * HEARTBEAT_SECONDS
 """A run whose last heartbeat is this old is marked Crashed: three heartbeats missed."""
 UNRESPONSIVE_AUTOMATION = "tandem: crash unresponsive runs"
+RUN_TAG = "tandem"
+"""The tag prefect.yaml gives every deployment's runs: the automation looks at those only, since
+another flow's heartbeats may come less often than UNRESPONSIVE_SECONDS."""
 
 
 def work_pools_of(spec: dict) -> list[str]:
@@ -99,8 +102,8 @@ def _resume_schedules(active: set[tuple[str, str]]) -> None:
 
 
 def ensure_unresponsive_run_automation(within_seconds: float = UNRESPONSIVE_SECONDS) -> Automation:
-    """Create (or update) the automation that marks a flow run Crashed once `within_seconds`
-    pass after its last heartbeat without another heartbeat or a final state."""
+    """Create (or update) the automation that marks a flow run tagged RUN_TAG Crashed once
+    `within_seconds` pass after its last heartbeat without another heartbeat or a final state."""
     automation = Automation(
         name=UNRESPONSIVE_AUTOMATION,
         description="Marks a flow run Crashed when its heartbeats stop: its machine or worker was lost (tandem deploy).",
@@ -108,6 +111,7 @@ def ensure_unresponsive_run_automation(within_seconds: float = UNRESPONSIVE_SECO
             after={"prefect.flow-run.heartbeat"},
             expect={"prefect.flow-run.heartbeat", *(f"prefect.flow-run.{s}" for s in ("Completed", "Failed", "Cancelled", "Crashed"))},
             match=ResourceSpecification({"prefect.resource.id": ["prefect.flow-run.*"]}),
+            match_related=ResourceSpecification({"prefect.resource.role": "tag", "prefect.resource.id": f"prefect.tag.{RUN_TAG}"}),
             for_each={"prefect.resource.id"},
             posture=Posture.Proactive,
             threshold=1,

@@ -13,7 +13,7 @@ from prefect.utilities.schema_tools import ValidationError, validate
 
 from flows.supervisor import scale_variable
 from flows.ui import artifact_key
-from infra.deployments import HEARTBEAT_SECONDS, UNRESPONSIVE_SECONDS, work_pools_of
+from infra.deployments import HEARTBEAT_SECONDS, RUN_TAG, UNRESPONSIVE_SECONDS, work_pools_of
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = yaml.safe_load((ROOT / "prefect.yaml").read_text())
@@ -91,3 +91,7 @@ def test_every_run_sends_the_heartbeats_the_unresponsive_run_automation_expects(
         env = deployment["work_pool"]["job_variables"]["env"]
         assert env["PREFECT_FLOWS_HEARTBEAT_FREQUENCY"] == str(HEARTBEAT_SECONDS), deployment["entrypoint"]
     assert UNRESPONSIVE_SECONDS >= 3 * HEARTBEAT_SECONDS, "one late heartbeat must not crash a run"
+
+
+def test_every_run_is_tagged_for_the_unresponsive_run_automation():
+    assert all(RUN_TAG in deployment["tags"] for deployment in SPEC["deployments"])

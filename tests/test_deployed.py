@@ -27,7 +27,7 @@ from flows.supervisor import scale_variable
 from flows.ui import artifact_key
 from benchmarks.prefect_restart import restart_mid_run
 from infra.deployed_harness import Deployment, bin_path, flow_run_id_from
-from infra.deployments import ensure_unresponsive_run_automation
+from infra.deployments import RUN_TAG, ensure_unresponsive_run_automation
 from tasks.metrics import read_metrics
 from tasks.shards import list_shards, parse_shard_key
 from tasks.snapshots import snapshot_versions
@@ -343,29 +343,36 @@ def _heartbeat_probe() -> None:
     """Never run: a flow for the flow runs that the heartbeat test creates by hand."""
 
 
-def _beat(flow_run_id) -> None:
-    emit_event("prefect.flow-run.heartbeat", resource={"prefect.resource.id": f"prefect.flow-run.{flow_run_id}"})
+def _beat(flow_run_id, tags: tuple[str, ...] = (RUN_TAG,)) -> None:
+    """A heartbeat as a run's engine sends it: the run as the resource, its tags as related ones."""
+    related = [{"prefect.resource.id": f"prefect.tag.{tag}", "prefect.resource.role": "tag"} for tag in tags]
+    emit_event("prefect.flow-run.heartbeat", resource={"prefect.resource.id": f"prefect.flow-run.{flow_run_id}"}, related=related)
     EventsWorker.drain_all()
 
 
 def test_a_run_whose_heartbeats_stop_is_marked_crashed_and_one_that_beats_is_not(deployment):
     """The automation `tandem deploy` adds, for a run whose machine or worker was lost: it sends
     nothing more, and without the automation it stayed Running for good (a lost inference worker
-    hung its run). Here with a 10 s limit instead of 90 s; restored after."""
+    hung its run). Here with a 10 s limit instead of 90 s; restored after. A run of another flow
+    (not tagged tandem) is left alone: its heartbeats may come every 180 s, Prefect's default."""
     ensure_unresponsive_run_automation(within_seconds=10)
     try:
         with deployment.client() as client:
-            lost, alive = (client.create_flow_run(_heartbeat_probe, state=Running()).id for _ in range(2))
+            lost, alive, other = (client.create_flow_run(_heartbeat_probe, state=Running(), tags=tags).id
+                                  for tags in ([RUN_TAG], [RUN_TAG], ["someone-else"]))  # fmt: skip
             _beat(lost)
+            _beat(other, tags=("someone-else",))
             deadline = time.monotonic() + 120
             while time.monotonic() < deadline and not client.read_flow_run(lost).state.is_final():
                 _beat(alive)
                 time.sleep(3)
-            lost_state, alive_state = client.read_flow_run(lost).state, client.read_flow_run(alive).state
+            time.sleep(5)  # the other run's limit passed as long ago as the lost one's, and more
+            lost_state, alive_state, other_state = (client.read_flow_run(r).state for r in (lost, alive, other))
     finally:
         ensure_unresponsive_run_automation()
     assert lost_state.is_crashed() and "no heartbeat for 10 s" in lost_state.message, lost_state
     assert alive_state.is_running(), alive_state
+    assert other_state.is_running(), other_state
 
 
 def test_redeploying_keeps_a_schedule_the_user_turned_on(deployment):
