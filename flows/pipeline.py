@@ -13,7 +13,7 @@ exits anyway if its children have not stopped within `INTERRUPT_GRACE_SECONDS`: 
 Ctrl-C also reaches the Dask workers and Prefect's temporary server, without which a child can
 wait forever. The run resumes from its newest checkpoint when started again. From its set-up
 to its summary a pipeline holds its run directory's lease (tasks/lease.py): a second pipeline of
-the same run is refused with `RunInUse` instead of training beside it.
+the same run is refused with `RunInUse` instead of training beside it, before it writes anything.
 
 Run it with `tandem run configs/tiny.yaml` or `python -m flows.pipeline configs/tiny.yaml`.
 """
@@ -37,14 +37,14 @@ from configs.schema import RunConfig, RunId
 from flows.evaluation import evaluation
 from flows.generation import generation
 from flows.progress import print_summary, watch_run
-from flows.supervisor import Supervisor
+from flows.supervisor import Supervisor, clear_scale_request
 from flows.training import training
 from flows.ui import publish_summary
 from infra.storage import RunStore, open_run_store
 from tasks.lag import reopen_run, request_stop
 from tasks.lease import hold_run
 from tasks.report import write_summary
-from tasks.rundir import RunConflict, initialize_run
+from tasks.rundir import RunConflict, check_run_inputs, initialize_run
 
 INTERRUPT_GRACE_SECONDS = 10.0
 """How long an interrupted pipeline waits for its trainer and generators to stop: a training step
@@ -114,10 +114,13 @@ def pipeline(config: RunConfig | None = None, run_id: RunId | None = None) -> di
     if run_id:
         config = RunConfig.model_validate(config.model_dump() | {"run_id": run_id})  # with the config's own checks
     share_prefect_api_with_workers()
-    url = initialize(config)
-    print(f"run directory: {url}")
     store = open_run_store(config.storage, config.run_id)
+    check_run_inputs(config, store)  # a typo is refused before the lease: the run directory stays as it was
     with hold_run(store, f"{flow_run.get_name()} ({flow_run.get_id()})"):  # RunInUse: another pipeline has it
+        if config.prefect.mode == "deployed":
+            clear_scale_request(config.run_id)
+        url = initialize(config)
+        print(f"run directory: {url}")
         return _train_and_report(config, store, url)
 
 

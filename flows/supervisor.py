@@ -32,12 +32,20 @@ generators and failed the run.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import re
 import time
 from uuid import UUID
 
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import FlowFilter, FlowFilterName, FlowRunFilter, FlowRunFilterState, FlowRunFilterStateType
+from prefect.client.schemas.filters import (
+    FlowFilter,
+    FlowFilterName,
+    FlowRunFilter,
+    FlowRunFilterState,
+    FlowRunFilterStateType,
+    FlowRunFilterTags,
+)
 from prefect.client.schemas.objects import FlowRun, StateType
 from prefect.deployments import run_deployment
 from prefect.logging import get_run_logger
@@ -47,9 +55,10 @@ from prefect.variables import Variable
 from configs import DEPLOYED_CONFIG, load_config
 from configs.schema import RunConfig
 from flows.ui import api_unavailable
+from infra.deployments import RUN_TAG, UNRESPONSIVE_MESSAGE
 from infra.storage import open_run_store
 from tasks.autoscale import autoscale_target, generator_wait_fraction, trainer_idle_fraction
-from tasks.lag import request_retire, request_stop, withdraw_retire
+from tasks.lag import live_producers, request_retire, request_stop, withdraw_retire
 from tasks.metrics import read_metrics
 
 DRAIN_SECONDS = 60.0
@@ -70,6 +79,12 @@ class ChildRunFailed(RuntimeError):
     """A child run of the pipeline ended in a state other than Completed."""
 
 
+def _marked_unresponsive(state) -> bool:
+    """Crashed by the automation `tandem deploy` adds, for heartbeats that stopped arriving."""
+    prefix = UNRESPONSIVE_MESSAGE.split("{", 1)[0]
+    return state.is_crashed() and (state.message or "").startswith(prefix)
+
+
 def _ended(state) -> str:
     """A final state for a person: its name and Prefect's message, which names the exception."""
     message = " ".join((state.message or "").split())
@@ -81,20 +96,31 @@ def _share(value: float | None) -> str:
 
 
 def scale_variable(run_id: str) -> str:
-    """Name of the Prefect variable that asks run `run_id` for a number of generation runs."""
-    return re.sub(r"[^a-z0-9_-]", "-", f"tandem-generators-{run_id}".lower())
+    """Name of the Prefect variable that asks run `run_id` for a number of generation runs: the
+    run id folded to what a variable name allows, and a digest of it, so that `a.b`, `a-b` and
+    `A-b` each get their own."""
+    digest = hashlib.sha256(run_id.encode()).hexdigest()[:8]
+    return re.sub(r"[^a-z0-9_-]", "-", f"tandem-generators-{run_id}".lower()) + f"-{digest}"
+
+
+def clear_scale_request(run_id: str) -> None:
+    """Drop the run's `tandem scale` request: one lasts for the pipeline run it was made during."""
+    Variable.unset(scale_variable(run_id))
 
 
 def running_pipeline(run_id: str) -> FlowRun | None:
-    """The pipeline flow run of run `run_id` that the server has Running, if there is one: what a
-    `tandem scale` request reaches (it is cleared when a pipeline of the run starts and ends)."""
-    running = FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.RUNNING])))
+    """The deployed pipeline run of run `run_id` that the server has Running, if there is one:
+    what a `tandem scale` request reaches (it is cleared when a pipeline of the run starts and
+    ends). Runs of tandem's deployments carry the tag RUN_TAG; a local `tandem run` reads no
+    request, and another project's flow named pipeline is not tandem's."""
+    running = FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.RUNNING])),
+                            tags=FlowRunFilterTags(all_=[RUN_TAG]))  # fmt: skip
     with get_client(sync_client=True) as client:
         runs = client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["pipeline"])), flow_run_filter=running)
     default = load_config(DEPLOYED_CONFIG).run_id
     for run in runs:
         given = run.parameters.get("config")
-        named = run.parameters.get("run_id") or ((given or {}).get("run_id", RunConfig().run_id) if given else default)
+        named = run.parameters.get("run_id") or (given.get("run_id", RunConfig().run_id) if isinstance(given, dict) else default)
         if named == run_id:
             return run
     return None
@@ -137,12 +163,9 @@ class Supervisor:
         self.generators[producer] = self.start("generation", producer=producer).id
 
     def run(self) -> None:
-        """Start the children and watch them until training is over; raise if it failed.
-
-        A `tandem scale` request lasts for one pipeline run: it is cleared as the run starts
-        and ends, so that a request left from an earlier run (or a retrain of it) does not
-        override `prefect.generators`."""
-        Variable.unset(scale_variable(self.config.run_id))
+        """Start the children and watch them until training is over; raise if it failed. The
+        run's `tandem scale` request is cleared at the end (the pipeline cleared it as it took
+        the run), so that a retrain of the run starts with `prefect.generators`."""
         self.training = self.start("training")
         self.training_state = self.training.state
         for i in range(self.target):
@@ -156,7 +179,7 @@ class Supervisor:
             raise
         finally:
             with contextlib.suppress(Exception):  # the API may be what failed the run
-                Variable.unset(scale_variable(self.config.run_id))
+                clear_scale_request(self.config.run_id)
         if not state.is_completed():
             raise ChildRunFailed(f"training run {self.training.name} ended {state.name}: {state.message or ''}".strip())
 
@@ -204,6 +227,8 @@ class Supervisor:
                 if state.is_completed():
                     del self.generators[producer]
                 continue
+            if _marked_unresponsive(state) and producer in live_producers(self.store):
+                continue  # its heartbeats were lost, not its process: it still writes its record
             if self.restarts >= self.config.prefect.generation_restarts:
                 del self.generators[producer]
                 self.gave_up = True

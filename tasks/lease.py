@@ -7,18 +7,26 @@ the other's, each generator claiming slots the other's shards then collide with.
 shards or snapshots can tell the two apart afterwards, so the second pipeline is refused at its
 start instead (`RunInUse`, naming the first).
 
-The lease is a small record (holder, host, pid, time) that the holder renews every third of
+The lease is a small record (holder, where, pid, time) that the holder renews every third of
 `LEASE_SECONDS` from a thread of its own and deletes when it ends. A holder that died without
 deleting it (SIGKILL, a lost machine) is taken over once its record is `LEASE_SECONDS` old, or
-at once by a claimant on the same host that finds the holder's process gone (the usual case of
-a `tandem run` stopped with Ctrl-C and started again). The first claim is a put-if-absent, so
-two pipelines starting together cannot both take a free run. Times are compared across hosts,
-which must agree on the clock to within a few seconds, as NTP keeps them.
+at once by a claimant in the same pid namespace of the same boot that finds the holder's process
+gone (the usual case of a `tandem run` stopped with Ctrl-C and started again; containers that
+share a host name have pid namespaces of their own, so the host name alone would not do).
+
+The first claim is a put-if-absent, so two pipelines starting together cannot both take a free
+run. Object storage has no compare-and-swap for the takeover of a lapsed lease, so a claimant
+writes its record, waits `SETTLE_SECONDS` and reads it back: of two that took over together, the
+one whose record was overwritten gives way. A holder whose renewal finds another holder's record
+(it stalled for longer than the lease) stops renewing and logs it, rather than taking the run
+back from the pipeline that now trains it. Times are compared across hosts, which must agree on
+the clock to within a few seconds, as NTP keeps them.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import threading
@@ -28,7 +36,11 @@ from contextlib import contextmanager
 
 from infra.storage import RunStore
 
+log = logging.getLogger(__name__)
+
 LEASE_KEY = "lease.json"
+SETTLE_SECONDS = 1.0
+"""How long a takeover waits before it reads its record back: longer than one write takes."""
 LEASE_SECONDS = 60.0
 """How long a lease outlives its holder's last renewal: a pipeline that died without releasing
 it keeps its run for at most this long (less on its own host, where a dead pid is seen at once)."""
@@ -47,9 +59,14 @@ def hold_run(store: RunStore, holder: str) -> Iterator[None]:
     def renew() -> None:
         while not stop.wait(LEASE_SECONDS / 3):
             try:
+                current = read_lease(store)
+                if current is not None and current["holder"] != holder:
+                    log.error("lost the lease of %s to pipeline %s (this one stalled past %.0f s): no longer renewing it",
+                              store.url, current["holder"], LEASE_SECONDS)  # fmt: skip
+                    return
                 store.write_atomic(LEASE_KEY, _record(holder))
-            except Exception:  # storage trouble: the next renewal tries again, well within the lease
-                continue
+            except Exception as err:  # storage trouble: the next renewal tries again, well within the lease
+                log.warning("could not renew the lease of %s: %r", store.url, err)
 
     renewer = threading.Thread(target=renew, name="tandem-run-lease", daemon=True)
     renewer.start()
@@ -58,8 +75,11 @@ def hold_run(store: RunStore, holder: str) -> Iterator[None]:
     finally:
         stop.set()
         renewer.join()
-        if (read_lease(store) or {}).get("holder") == holder:
-            store.delete(LEASE_KEY)
+        try:
+            if (read_lease(store) or {}).get("holder") == holder:
+                store.delete(LEASE_KEY)
+        except Exception as err:  # the body's own outcome matters more; the lease lapses anyway
+            log.warning("could not release the lease of %s (it lapses in %.0f s): %r", store.url, LEASE_SECONDS, err)
 
 
 def claim_run(store: RunStore, holder: str) -> None:
@@ -69,6 +89,8 @@ def claim_run(store: RunStore, holder: str) -> None:
         return
     check_run_free(store, holder)
     store.write_atomic(LEASE_KEY, _record(holder))
+    time.sleep(SETTLE_SECONDS)
+    check_run_free(store, holder)  # another claimant's takeover overwrote this one
 
 
 def check_run_free(store: RunStore, holder: str | None = None) -> None:
@@ -78,7 +100,7 @@ def check_run_free(store: RunStore, holder: str | None = None) -> None:
         return
     age = max(0.0, time.time() - float(lease["at"]))
     raise RunInUse(
-        f"run {store.url} is in use by pipeline {lease['holder']} on {lease['host']} (pid {lease['pid']}), "
+        f"run {store.url} is in use by pipeline {lease['holder']} on {lease['where'][0]} (pid {lease['pid']}), "
         f"last seen {age:.0f} s ago: wait for it to end or cancel it; a pipeline that died is taken over "
         f"{LEASE_SECONDS:.0f} s after it was last seen"
     )
@@ -90,13 +112,13 @@ def read_lease(store: RunStore) -> dict | None:
         lease = json.loads(store.read_bytes(LEASE_KEY))
     except (FileNotFoundError, ValueError):
         return None
-    return lease if isinstance(lease, dict) and {"holder", "host", "pid", "at"} <= lease.keys() else None
+    return lease if isinstance(lease, dict) and {"holder", "where", "pid", "at"} <= lease.keys() else None
 
 
 def _alive(lease: dict) -> bool:
     if time.time() - float(lease["at"]) >= LEASE_SECONDS:
         return False
-    if lease["host"] != socket.gethostname():
+    if lease["where"] != process_namespace():  # another machine, boot or pid namespace: its pid says nothing here
         return True
     try:
         os.kill(int(lease["pid"]), 0)
@@ -107,5 +129,15 @@ def _alive(lease: dict) -> bool:
     return True
 
 
+def process_namespace() -> list[str]:
+    """This process's host name, boot and pid namespace: where its pid means this process."""
+    try:
+        boot = open("/proc/sys/kernel/random/boot_id").read().strip()
+        namespace = str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:  # no /proc (macOS): one namespace per host
+        boot = namespace = ""
+    return [socket.gethostname(), boot, namespace]
+
+
 def _record(holder: str) -> bytes:
-    return json.dumps({"holder": holder, "host": socket.gethostname(), "pid": os.getpid(), "at": time.time()}).encode()
+    return json.dumps({"holder": holder, "where": process_namespace(), "pid": os.getpid(), "at": time.time()}).encode()

@@ -27,7 +27,6 @@ import io
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -46,6 +45,7 @@ from infra.engines.cpu import CpuEngine
 from infra.engines.server import create_app
 from infra.manifest import MANIFEST_NAME, ManifestError, build_manifest
 from infra.storage import RunStore
+from tasks.lease import process_namespace
 from tasks.rundir import initialize_run
 from tasks.shards import (
     ROLLOUT_SCHEMA,
@@ -257,7 +257,7 @@ CLI_CASES = [
         ("run 'base' at file://{tmp}/runs/base was started with a different config", "training.lr")),
     Case("run of a run another pipeline holds", "cli",
          Cli(("run", str(TINY_CONFIG), *INTO_TMP, "--run-id", "held"),
-             {"runs/held/lease.json": json.dumps({"holder": "other (x)", "host": socket.gethostname(), "pid": 1,
+             {"runs/held/lease.json": json.dumps({"holder": "other (x)", "where": process_namespace(), "pid": 1,
                                                   "at": 4102444800}).encode()}),  # pid 1 lives; renewed "in 2100"
          1, "run file://{tmp}/runs/held is in use by pipeline other (x)"),
     Case("run with its storage down", "cli",

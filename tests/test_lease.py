@@ -1,19 +1,19 @@
-"""The run lease: one pipeline at a time per run directory, on file:// and S3; a holder
-that died gives the run up (at once on its own host, after LEASE_SECONDS elsewhere)."""
+"""The run lease: one pipeline at a time per run directory, on file:// and S3; a holder that died
+gives the run up (at once in its own pid namespace, after LEASE_SECONDS elsewhere)."""
 
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 
 from infra.storage import RunStore
 from tasks import lease
-from tasks.lease import LEASE_KEY, RunInUse, check_run_free, claim_run, hold_run, read_lease
+from tasks.lease import LEASE_KEY, RunInUse, check_run_free, claim_run, hold_run, process_namespace, read_lease
 
 
 def test_a_second_pipeline_is_refused_while_the_first_holds_the_run(store: RunStore):
@@ -27,17 +27,17 @@ def test_a_second_pipeline_is_refused_while_the_first_holds_the_run(store: RunSt
 
 
 def test_the_lease_is_renewed_while_held(store: RunStore, monkeypatch):
-    monkeypatch.setattr(lease, "LEASE_SECONDS", 0.6)
+    monkeypatch.setattr(lease, "LEASE_SECONDS", 1.5)
     with hold_run(store, "first (1)"):
         claimed = read_lease(store)["at"]
-        time.sleep(0.9)  # past the lease: only renewals keep it
+        time.sleep(2.0)  # past the lease: only renewals keep it
         assert read_lease(store)["at"] > claimed
         with pytest.raises(RunInUse):
             check_run_free(store)
 
 
 def _write_lease(store: RunStore, **fields) -> None:
-    record = {"holder": "dead (0)", "host": "elsewhere", "pid": 1, "at": time.time()} | fields
+    record = {"holder": "dead (0)", "where": ["elsewhere", "", ""], "pid": 1, "at": time.time()} | fields
     store.write_atomic(LEASE_KEY, json.dumps(record).encode())
 
 
@@ -50,9 +50,49 @@ def test_a_lapsed_lease_of_another_host_is_taken_over(store: RunStore):
     assert read_lease(store)["holder"] == "new (1)"
 
 
-def test_a_lease_whose_process_is_gone_on_this_host_is_taken_over_at_once(store: RunStore):
+def test_a_lease_whose_process_is_gone_here_is_taken_over_at_once(store: RunStore):
     """`tandem run` stopped with Ctrl-C exits without releasing it (os._exit) and is started again."""
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    _write_lease(store, host=socket.gethostname(), pid=int(gone.stdout))
+    _write_lease(store, where=process_namespace(), pid=int(gone.stdout))
     claim_run(store, "new (1)")
     assert read_lease(store)["holder"] == "new (1)"
+
+
+def test_a_dead_pid_of_another_pid_namespace_on_this_host_does_not_free_the_run(store: RunStore):
+    """Containers sharing the host's name (host networking) number their processes apart."""
+    host, boot, _ = process_namespace()
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    _write_lease(store, where=[host, boot, "another-namespace"], pid=int(gone.stdout))
+    with pytest.raises(RunInUse):
+        claim_run(store, "new (1)")
+
+
+def test_of_two_pipelines_taking_over_a_lapsed_lease_together_one_wins(store: RunStore):
+    _write_lease(store, at=time.time() - lease.LEASE_SECONDS - 1)
+    outcomes: dict[str, str] = {}
+
+    def claim(holder: str) -> None:
+        try:
+            claim_run(store, holder)
+            outcomes[holder] = "won"
+        except RunInUse:
+            outcomes[holder] = "refused"
+
+    claimants = [threading.Thread(target=claim, args=(f"p{i} ({i})",)) for i in range(2)]
+    for thread in claimants:
+        thread.start()
+    for thread in claimants:
+        thread.join()
+    assert sorted(outcomes.values()) == ["refused", "won"], outcomes
+    assert outcomes[read_lease(store)["holder"]] == "won"
+
+
+def test_a_holder_that_lost_its_lease_does_not_take_it_back(store: RunStore, monkeypatch):
+    """It stalled past the lease and another pipeline took the run over: renewing would hand the
+    run to both, and releasing at its end would free it under the other."""
+    monkeypatch.setattr(lease, "LEASE_SECONDS", 1.5)
+    with hold_run(store, "stalled (1)"):
+        _write_lease(store, holder="successor (2)", where=process_namespace())
+        time.sleep(1.2)  # more than a renewal interval
+        assert read_lease(store)["holder"] == "successor (2)"
+    assert read_lease(store)["holder"] == "successor (2)"
