@@ -148,8 +148,8 @@ class TrainingConfig(Section):
     """The trainer: optimizer, batch, and how often it publishes and checkpoints."""
 
     steps: int = Field(40, ge=1, le=10_000_000)
-    """Optimizer steps of the RL phase; policy version V counts them (steps x prompts_per_step
-    at most 999,999)."""
+    """Optimizer steps of the RL phase; policy version V counts them ((steps + lag.max_lag + 1)
+    x prompts_per_step at most 999,999)."""
     prompts_per_step: int = Field(16, ge=1, le=65536)
     """Prompt groups in one training batch."""
     lr: float = Field(1e-4, gt=0, le=1)
@@ -178,15 +178,6 @@ class TrainingConfig(Section):
     """Write a resumable trainer checkpoint every this many steps."""
     simulate_step_seconds: float | None = Field(None, ge=0, le=86400)
     """Benchmarks: make each optimizer step take this long (the real step runs inside it); null: off."""
-
-    @model_validator(mode="after")
-    def _slots_fit_shard_keys(self) -> TrainingConfig:
-        if self.steps * self.prompts_per_step > MAX_SLOTS:
-            raise ValueError(
-                f"steps x prompts_per_step ({self.steps} x {self.prompts_per_step}) must be at most "
-                f"{MAX_SLOTS:,}: a shard key numbers a run's prompt groups in six digits"
-            )
-        return self
 
 
 class LagConfig(Section):
@@ -346,6 +337,18 @@ class RunConfig(Section):
                 "storage.key and storage.secret must be null when prefect.mode is 'deployed': "
                 "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY on the workers, or name a Prefect "
                 "Secret block in storage.credentials_block"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _slots_fit_shard_keys(self) -> RunConfig:
+        # Admission lets generators start groups up to max_lag + 1 steps past the trainer, and a
+        # group's slot number is its shard key's six-digit sequence.
+        steps, per_step, lag = self.training.steps, self.training.prompts_per_step, self.lag.max_lag
+        if (steps + lag + 1) * per_step > MAX_SLOTS:
+            raise ValueError(
+                f"(training.steps + lag.max_lag + 1) x training.prompts_per_step (({steps} + {lag} + 1) x "
+                f"{per_step}) must be at most {MAX_SLOTS:,}: a shard key numbers a run's prompt groups in six digits"
             )
         return self
 

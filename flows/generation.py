@@ -96,8 +96,9 @@ def dask_task_runner(config: RunConfig) -> DaskTaskRunner:
     fixed in 3.12 only): a run of benchmarks/faults.py hung that way, every worker thread
     waiting for the GIL. The nanny hands this config to the worker processes it starts.
 
-    The scheduler's HTTP server takes a free port: it starts even without a dashboard, on 8787 by
-    default, and every generation run after the first on a machine warned that 8787 was taken."""
+    The scheduler's HTTP server takes a free loopback port: it starts even without a dashboard,
+    on 8787 by default (every generation run after the first on a machine warned that it was
+    taken), and ":0" would serve its call stacks and metrics on every interface."""
     logging.getLogger("distributed").setLevel(logging.WARNING)
     dask.config.set({"distributed.worker.profile.enabled": False})
     if config.dask.address:
@@ -105,15 +106,23 @@ def dask_task_runner(config: RunConfig) -> DaskTaskRunner:
     return DaskTaskRunner(
         cluster_class="distributed.LocalCluster",
         cluster_kwargs={"n_workers": config.dask.n_workers, "threads_per_worker": config.dask.threads_per_worker,
-                        "processes": True, "dashboard_address": ":0", "silence_logs": logging.WARNING},
+                        "processes": True, "dashboard_address": "127.0.0.1:0", "silence_logs": logging.WARNING},
     )  # fmt: skip
 
 
 @flow(name="generation", log_prints=True)
 def generation(config: RunConfig, producer: str = "gen0") -> dict:
-    """Generate rollouts for `config`'s run until its trainer is done; returns counts."""
-    with scratch_dir(f"tandem-{producer}-") as cache:
-        return _generate(config, producer, cache)
+    """Generate rollouts for `config`'s run until its trainer is done; returns counts. Its pin
+    goes with it, however it ends: a retired or failed generator's version would be kept for good
+    (a restart of the same producer pins again)."""
+    try:
+        with scratch_dir(f"tandem-{producer}-") as cache:
+            return _generate(config, producer, cache)
+    finally:
+        try:
+            unpin_snapshot(open_run_store(config.storage, config.run_id), producer)
+        except Exception as err:  # the run's own outcome matters more; a restart of it pins again
+            print(f"{producer}: could not drop its snapshot pin: {err!r}")
 
 
 def _generate(config: RunConfig, producer: str, cache: Path) -> dict:
@@ -173,7 +182,6 @@ def _generate(config: RunConfig, producer: str, cache: Path) -> dict:
         for chunk in in_flight:
             _record(metrics, totals, chunk.future.result(), fleet.version)
         withdraw_in_flight(store, producer)
-        unpin_snapshot(store, producer)  # a retired generator's version would be kept for good
     totals.pop("keys", None)
     totals["retired"] = retiring.requested
     metrics.log("finished", busy_seconds=time.monotonic() - busy_since - idle_seconds, idle_seconds=idle_seconds, **totals)

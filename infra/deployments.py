@@ -80,10 +80,12 @@ def apply_deployments(project: Path, spec: dict) -> list[str]:
     command = [str(prefect) if prefect.exists() else "prefect", "--no-prompt", "deploy", "--all"]
     # The pull step names the working directory as {{ $PWD }}: the project, wherever it lies.
     env = os.environ | {"PWD": str(project), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
-    done = subprocess.run(command, cwd=project, env=env, capture_output=True, text=True, timeout=DEPLOY_TIMEOUT_S)
+    try:
+        done = subprocess.run(command, cwd=project, env=env, capture_output=True, text=True, timeout=DEPLOY_TIMEOUT_S)
+    finally:  # a deploy that failed half-way may have applied the file's `active: false` already
+        _resume_schedules(active)
     if done.returncode != 0:
         raise RuntimeError(f"`{' '.join(command[-3:])}` failed with exit code {done.returncode}:\n{(done.stdout + done.stderr)[-3000:]}")
-    _resume_schedules(active)
     ensure_unresponsive_run_automation()
     with get_client(sync_client=True) as client:
         flows = {f.id: f.name for f in client.read_flows()}

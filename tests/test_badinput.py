@@ -202,7 +202,7 @@ CLI_CASES = [
     cli("top_k of 0", init_tiny("--set", "generation.top_k=0"),
         "generation.top_k: top_k must be -1 (disabled) or at least 1, got 0"),
     cli("more prompt groups than shard keys number", init_tiny("--set", "training.steps=100000"),
-        "training: steps x prompts_per_step (100000 x 16) must be at most 999,999"),
+        "(training.steps + lag.max_lag + 1) x training.prompts_per_step ((100000 + 2 + 1) x 16) must be at most 999,999"),
     cli("storage key without its secret", init_tiny("--set", "storage.key=AKIA"),
         "storage: storage.key is set but storage.secret is not: give both, or neither"),
     cli("empty yaml", init_yaml(""), "the config file is empty; expected a mapping of sections"),

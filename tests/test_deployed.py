@@ -21,7 +21,7 @@ from prefect import flow
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 from prefect.events import emit_event
 from prefect.events.worker import EventsWorker
-from prefect.states import Running
+from prefect.states import Cancelled, Running
 
 from flows.supervisor import scale_variable
 from flows.ui import artifact_key
@@ -368,6 +368,8 @@ def test_a_run_whose_heartbeats_stop_is_marked_crashed_and_one_that_beats_is_not
                 time.sleep(3)
             time.sleep(5)  # the other run's limit passed as long ago as the lost one's, and more
             lost_state, alive_state, other_state = (client.read_flow_run(r).state for r in (lost, alive, other))
+            for run in (alive, other):
+                client.set_flow_run_state(run, Cancelled(), force=True)
     finally:
         ensure_unresponsive_run_automation()
     assert lost_state.is_crashed() and "no heartbeat for 10 s" in lost_state.message, lost_state
@@ -382,8 +384,8 @@ def test_redeploying_keeps_a_schedule_the_user_turned_on(deployment):
         client.update_deployment_schedule(retrain.id, schedule.id, active=True)
         try:
             deployment.cli(_bin("tandem"), "deploy")
+        finally:  # off again for the module's other tests, whatever the deploy did
             (after,) = client.read_deployment(retrain.id).schedules
-        finally:
             client.update_deployment_schedule(retrain.id, after.id, active=False)
     assert after.active, "`tandem deploy` again turned the nightly retrain off"
 
