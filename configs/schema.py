@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9](?:\.?[A-Za-z0-9_-])*\.?$")
 """Letters, digits, '.', '_' and '-', starting with a letter or digit, no '..' (a run id is a path
@@ -33,6 +33,17 @@ ROOT_PATTERN = r"^(?:file://|memory://|s3:///*[^/])"
 ENTRYPOINT_FORM = r"[A-Za-z_][\w.]*:[A-Za-z_]\w*"
 """The JSON-schema twins of the checks of storage.root and env.entrypoint below: a field's
 validator words the error for a person, its pattern lets Prefect refuse the field at submission."""
+
+
+def _top_k_disabled_or_positive(top_k: int) -> int:
+    if top_k == 0:
+        raise ValueError("top_k must be -1 (disabled) or at least 1, got 0")
+    return top_k
+
+
+TopK = Annotated[int, Field(ge=-1, json_schema_extra={"not": {"const": 0}}), AfterValidator(_top_k_disabled_or_positive)]
+"""A top-k cut-off as SGLang takes it: -1 disables it, 0 is refused (the config's and the engine
+API's; the JSON-schema twin lets Prefect refuse 0 at submission)."""
 
 
 def is_run_id(text: str) -> bool:
@@ -129,19 +140,12 @@ class GenerationConfig(Section):
     """Sampling temperature; 0 is greedy."""
     top_p: float = Field(1.0, gt=0, le=1)
     """Nucleus sampling mass."""
-    top_k: int = Field(-1, ge=-1, json_schema_extra={"not": {"const": 0}})
+    top_k: TopK = -1
     """Top-k cut-off; -1 disables it (SGLang's convention, which refuses 0)."""
     max_new_tokens: int = Field(16, ge=1, le=32768)
     """Most tokens the model generates in one turn."""
     hand_off_stragglers: bool = True
     """Move half of a busy engine's requests, with their tokens so far, to an engine that ran dry."""
-
-    @field_validator("top_k")
-    @classmethod
-    def _top_k_disabled_or_positive(cls, top_k: int) -> int:
-        if top_k == 0:
-            raise ValueError("top_k must be -1 (disabled) or at least 1, got 0")
-        return top_k
 
 
 class TrainingConfig(Section):

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field
+
+from configs.schema import TopK
 
 INT64 = 2**63
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]
@@ -52,7 +54,7 @@ class SamplingParams(_Request):
     """Softmax temperature; 0 is greedy."""
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     """Nucleus sampling mass, in (0, 1]."""
-    top_k: int = Field(-1, ge=-1, le=2**30)
+    top_k: TopK = Field(-1, le=2**30)
     """Keep the k most likely tokens; -1 keeps all (0 is invalid, as in SGLang)."""
     max_new_tokens: int = Field(128, ge=0, le=1_000_000)
     """Most tokens to generate (SGLang's default is 128)."""
@@ -64,13 +66,6 @@ class SamplingParams(_Request):
     """Samples of the prompt; with n > 1 the answer is a list of n results."""
     sampling_seed: int | None = Field(None, ge=-INT64, lt=INT64)
     """Seed of a reproducible request; null samples from the engine's generator."""
-
-    @field_validator("top_k")
-    @classmethod
-    def _top_k_not_zero(cls, top_k: int) -> int:
-        if top_k == 0:
-            raise ValueError("top_k must be -1 (disabled) or at least 1")
-        return top_k
 
 
 class GenerateRequest(_Request):
