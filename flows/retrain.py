@@ -23,7 +23,7 @@ from prefect import flow
 from pydantic import Field
 
 from configs import DEPLOYED_CONFIG, load_config
-from configs.schema import RunConfig, RunId, TrainingConfig
+from configs.schema import RunConfig, RunId
 from flows.pipeline import pipeline
 from infra.storage import open_run_store
 from tasks.checkpoints import latest_checkpoint_step
@@ -68,8 +68,9 @@ def retrain(
 def _continued(source: RunConfig, store, steps: int) -> RunConfig:
     """The same run, `steps` steps past its newest checkpoint."""
     start = latest_checkpoint_step(store) or 0
-    training = TrainingConfig.model_validate(source.training.model_dump() | {"steps": start + steps})  # the slot limit
-    return source.model_copy(update={"training": training})
+    data = source.model_dump()
+    data["training"]["steps"] = start + steps
+    return RunConfig.model_validate(data)  # with the config's checks: the slot limit counts the steps
 
 
 def _successor(source: RunConfig, store, new_run_id: str, steps: int, cache: Path) -> RunConfig:

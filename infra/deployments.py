@@ -12,9 +12,9 @@ active before are resumed after it.
 `ensure_unresponsive_run_automation` adds Prefect's answer to a flow run whose machine was lost
 (docs.prefect.io, "detect zombie flows"): the deployments' runs send a heartbeat event every
 `HEARTBEAT_SECONDS` (prefect.yaml sets PREFECT_FLOWS_HEARTBEAT_FREQUENCY in their environment),
-and an automation marks a run Crashed once `UNRESPONSIVE_SECONDS` (10 min) pass without one. A process
-that dies on a live worker is reported Crashed by that worker at once; a lost worker reports
-nothing, and without the automation its generation runs stayed Running for good, holding their
+and an automation marks a run Crashed once `UNRESPONSIVE_SECONDS` (10 min) pass without one.
+A process that dies on a live worker is reported Crashed by that worker at once; a lost worker
+reports nothing, and without the automation its generation runs stayed Running for good, holding their
 share of the lag window, so that the run hung. Crashed, the pipeline restarts them
 (flows/supervisor.py) on the same producer ids, which take their unfinished slots over.
 """
@@ -24,9 +24,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
-
 from datetime import timedelta
+from pathlib import Path
 
 from prefect.automations import Automation
 from prefect.client.orchestration import get_client
