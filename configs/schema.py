@@ -16,12 +16,21 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
-RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9](?:\.?[A-Za-z0-9_-])*\.?$")
+RUN_ID_FORM = r"[A-Za-z0-9](?:\.?[A-Za-z0-9_-])*\.?"
 """Letters, digits, '.', '_' and '-', starting with a letter or digit, no '..' (a run id is a path
-segment: '..' would name the parent). Without lookarounds, so that pydantic's regex engine and the
-JSON schema Prefect checks parameters with both take it."""
+segment: '..' would name the parent). Without lookarounds, so that pydantic's regex engine takes it."""
 
-RunId = Annotated[str, Field(pattern=RUN_ID_PATTERN.pattern, max_length=64)]
+
+def whole_text_pattern(form: str) -> dict[str, str]:
+    """The JSON-schema `pattern` of text that is `form` and nothing else, for a field's
+    `json_schema_extra`. Prefect checks submitted parameters with Python's re, whose `$` also
+    matches before a final newline: the lookahead refuses that newline. Pydantic validates with its
+    own engine, whose `$` is the very end and which has no lookarounds, so fields keep a plain
+    `pattern` (or validator) for validation and carry this one for the schema."""
+    return {"pattern": f"^(?:{form})(?!\\n)$"}
+
+
+RunId = Annotated[str, Field(pattern=f"^{RUN_ID_FORM}$", max_length=64, json_schema_extra=whole_text_pattern(RUN_ID_FORM))]
 """A run id as a flow parameter: Prefect checks the pattern when a run is submitted."""
 
 
@@ -31,8 +40,11 @@ digits (tasks/shards.py)."""
 
 ROOT_PATTERN = r"^(?:file://|memory://|s3:///*[^/])"
 ENTRYPOINT_FORM = r"[A-Za-z_][\w.]*:[A-Za-z_]\w*"
-"""The JSON-schema twins of the checks of storage.root and env.entrypoint below: a field's
-validator words the error for a person, its pattern lets Prefect refuse the field at submission."""
+BLOCK_NAME_FORM = r"[a-z0-9][a-z0-9-]{0,127}"
+DEPLOYMENT_NAME_FORM = r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}"
+"""Forms of the fields below whose checks are Python code or need the JSON-schema twin of
+`whole_text_pattern`: a field's validator words the error for a person, its pattern lets Prefect
+refuse the field at submission."""
 
 
 def _top_k_disabled_or_positive(top_k: int) -> int:
@@ -47,7 +59,7 @@ API's; the JSON-schema twin lets Prefect refuse 0 at submission)."""
 
 
 def is_run_id(text: str) -> bool:
-    return len(text) <= 64 and RUN_ID_PATTERN.fullmatch(text) is not None
+    return len(text) <= 64 and re.fullmatch(RUN_ID_FORM, text) is not None
 
 
 class Section(BaseModel):
@@ -202,7 +214,7 @@ class StorageConfig(Section):
     """S3 access key, given with `secret` or not at all; null: credentials_block, else $AWS_ACCESS_KEY_ID."""
     secret: SecretStr | None = None
     """S3 secret key, given with `key` or not at all; null: credentials_block, else $AWS_SECRET_ACCESS_KEY."""
-    credentials_block: str | None = Field(None, pattern=r"^[a-z0-9][a-z0-9-]{0,127}$")
+    credentials_block: str | None = Field(None, pattern=f"^{BLOCK_NAME_FORM}$", json_schema_extra=whole_text_pattern(BLOCK_NAME_FORM))
     """Name of a Prefect Secret block holding {"key": ..., "secret": ...}; wins over the env vars."""
     retry_seconds: float = Field(30.0, ge=0, le=3600)
     """How long a storage call keeps retrying transient errors before it gives up."""
@@ -233,7 +245,7 @@ class StorageConfig(Section):
 class EnvConfig(Section):
     """The environment: task, reward and prompts."""
 
-    entrypoint: str = Field("tasks.envs.calculator:CalculatorEnv", json_schema_extra={"pattern": f"^{ENTRYPOINT_FORM}$"})
+    entrypoint: str = Field("tasks.envs.calculator:CalculatorEnv", json_schema_extra=whole_text_pattern(ENTRYPOINT_FORM))
     """Import path `package.module:Class` of the environment."""
     kwargs: dict[str, Any] = Field(default_factory=dict)
     """Keyword arguments passed to the environment's constructor."""
@@ -290,7 +302,7 @@ class PrefectConfig(Section):
 
     mode: Literal["local", "deployed"] = "local"
     """`local`: both subflows in this process; `deployed`: children are deployment runs on their pools."""
-    deployment: str = Field("tandem", pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
+    deployment: str = Field("tandem", pattern=f"^{DEPLOYMENT_NAME_FORM}$", json_schema_extra=whole_text_pattern(DEPLOYMENT_NAME_FORM))
     """Deployed mode: name of the child deployments (`training/NAME`, `generation/NAME`)."""
     generators: int = Field(1, ge=1, le=256)
     """Generation runs started at the beginning (each with `generation.engines` engines)."""
@@ -308,7 +320,7 @@ class PrefectConfig(Section):
 class RunConfig(Section):
     """A whole run: what `tandem run` takes and what {root}/{run_id}/config.json records."""
 
-    run_id: str = Field("tiny", json_schema_extra={"pattern": RUN_ID_PATTERN.pattern, "maxLength": 64})
+    run_id: str = Field("tiny", json_schema_extra={**whole_text_pattern(RUN_ID_FORM), "maxLength": 64})
     """Name of the run directory: letters, digits, `.`, `_`, `-`; at most 64 characters."""
     seed: int = Field(0, ge=0, le=2**32 - 1)
     """Seed of the initial model's weights, the prompt sets and the warm-start's sampling. Engines

@@ -58,7 +58,7 @@ def test_names_derived_from_run_ids_are_what_prefect_allows():
     assert len({scale_variable(r) for r in ("a.b", "a-b", "A-b", "a_b")}) == 4, "one variable per run"
 
 
-@pytest.mark.parametrize("run_id", ["a..b", "..", "-x", "a/b", "x" * 65])
+@pytest.mark.parametrize("run_id", ["a..b", "..", "-x", "a/b", "x" * 65, "demo\n"])
 def test_prefect_refuses_a_bad_run_id_parameter_at_submission(run_id):
     """What `prefect deployment run pipeline/tandem --param run_id=...` checks before a run exists
     (a run id with '..' passed it and started a run at s3://tandem/runs/a..b)."""
@@ -72,16 +72,20 @@ def test_prefect_refuses_a_bad_run_id_parameter_at_submission(run_id):
 @pytest.mark.parametrize(
     "config",
     [{"run_id": "../x"}, {"storage": {"root": "http://x"}}, {"storage": {"root": "s3:///"}},
-     {"env": {"entrypoint": "tasks/envs.py"}}, {"generation": {"top_k": 0}}],  # fmt: skip
-    ids=["run_id", "root scheme", "root without bucket", "entrypoint", "top_k 0"],
+     {"env": {"entrypoint": "tasks/envs.py"}}, {"generation": {"top_k": 0}},
+     {"run_id": "demo\n"}, {"env": {"entrypoint": "tasks.envs.calculator:CalculatorEnv\n"}},
+     {"storage": {"credentials_block": "s3-creds\n"}}, {"prefect": {"deployment": "tandem\n"}}],  # fmt: skip
+    ids=["run_id", "root scheme", "root without bucket", "entrypoint", "top_k 0", "run_id newline",
+         "entrypoint newline", "credentials block newline", "deployment newline"],
 )
 def test_prefect_refuses_bad_fields_of_the_config_parameter_at_submission(config):
     """Fields whose validator is Python code carry a pattern too, so that the server refuses them
     before a run exists rather than the run failing once it starts."""
     flow = load_flow_from_entrypoint(str(ROOT / DEPLOYMENTS["pipeline"]["entrypoint"]))
     schema = parameter_schema(flow.fn).model_dump_for_openapi()
-    good = {"run_id": "demo", "storage": {"root": "s3://tandem/runs"}, "generation": {"top_k": 5},
-            "env": {"entrypoint": "tasks.envs.calculator:CalculatorEnv"}}  # fmt: skip
+    good = {"run_id": "demo", "storage": {"root": "s3://tandem/runs", "credentials_block": "s3-creds"},
+            "generation": {"top_k": 5}, "env": {"entrypoint": "tasks.envs.calculator:CalculatorEnv"},
+            "prefect": {"deployment": "tandem"}}  # fmt: skip
     validate({"config": good}, schema, raise_on_error=True, ignore_required=True)
     with pytest.raises(ValidationError):
         validate({"config": config}, schema, raise_on_error=True, ignore_required=True)
