@@ -43,8 +43,10 @@ from flows.ui import publish_summary
 from infra.storage import RunStore, open_run_store
 from tasks.lag import reopen_run, request_stop
 from tasks.lease import hold_run
+from tasks.metrics import read_metrics
 from tasks.report import write_summary
 from tasks.rundir import RunConflict, check_run_inputs, initialize_run
+from tasks.snapshots import committed_version
 
 INTERRUPT_GRACE_SECONDS = 10.0
 """How long an interrupted pipeline waits for its trainer and generators to stop: a training step
@@ -96,7 +98,8 @@ def pipeline(config: RunConfig | None = None, run_id: RunId | None = None) -> di
     """Train a run end to end: init, eval, generate and train, eval, summary.
 
     The first evaluation scores the newest snapshot: v0 for a new run, where it stopped for a
-    restarted or continued one. With `env.eval_prompts: 0` there is neither.
+    restarted or continued one (whose score is usually on record already, and then kept). With
+    `env.eval_prompts: 0` there is neither.
 
     `config` defaults to configs/deployed.yaml (what `prefect deployment run pipeline/tandem`
     runs); `run_id` overrides the config's, so that a user starts a fresh run with one --param.
@@ -126,7 +129,7 @@ def pipeline(config: RunConfig | None = None, run_id: RunId | None = None) -> di
 
 def _train_and_report(config: RunConfig, store: RunStore, url: str) -> dict:
     reopen_run(store)
-    before = evaluation(config) if config.env.eval_prompts else None
+    before = score_newest_snapshot(config, store)
     if config.prefect.mode == "deployed":
         Supervisor(config).run()
     else:
@@ -144,11 +147,27 @@ def _train_and_report(config: RunConfig, store: RunStore, url: str) -> dict:
         trainer.result()
         for generator in generators:
             generator.result()
-    after = evaluation(config) if config.env.eval_prompts else None
+    after = score_newest_snapshot(config, store)
     summary = write_summary(store, before, after)
     publish_summary(summary, url, config.run_id)
     print_summary(summary, url)
     return summary
+
+
+def score_newest_snapshot(config: RunConfig, store: RunStore) -> dict | None:
+    """The held-out score of the newest snapshot; None for a run without held-out prompts.
+
+    A version scored already on the same prompts keeps its recorded score: a continued or resumed
+    run starts from the snapshot the last pipeline's closing evaluation (or a triggered one)
+    scored, and greedy decoding would only repeat it, at the cost of an engine of its own."""
+    if not config.env.eval_prompts:
+        return None
+    version = committed_version(store, None)
+    for record in reversed(read_metrics(store, "evaluation")):
+        if record.get("event") == "evaluation" and (record.get("version"), record.get("prompts")) == (version, config.env.eval_prompts):
+            print(f"v{version}: scored {record['score']:.3f} already, not evaluated again")
+            return record
+    return evaluation(config, version)
 
 
 def stop_children(config: RunConfig, reason: str) -> None:

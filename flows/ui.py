@@ -8,7 +8,8 @@
 - `publish_evaluation`: each evaluation's score, as a new version of one table artifact.
 - `announce_snapshot`: the `tandem.weights.published` event, one per published snapshot. A
   deployment trigger in prefect.yaml runs `evaluation` on the snapshots it marks for evaluation
-  (every `prefect.evaluate_every`-th), so scoring runs beside training instead of pausing it.
+  (every `prefect.evaluate_every`-th but the run's last, which the pipeline scores itself), so
+  scoring runs beside training instead of pausing it.
 
 What the UI shows is best effort: an artifact that cannot be written because the Prefect API is
 unavailable (a server restart outlasting the client's own retries of about a minute) is logged
@@ -133,9 +134,11 @@ def publish_evaluation(run_id: str, result: dict) -> None:
 
 
 def due_for_evaluation(config: RunConfig, version: int) -> bool:
-    """Whether snapshot `version` is one the `evaluation` trigger should score."""
+    """Whether snapshot `version` is one the `evaluation` trigger should score: not the run's last,
+    which the pipeline's closing evaluation scores (a triggered run would score it a second time,
+    an engine's worth of work for a duplicate row)."""
     every = config.prefect.evaluate_every
-    return every > 0 and version % every == 0
+    return every > 0 and version % every == 0 and version != config.training.steps
 
 
 def announce_snapshot(config: RunConfig, version: int, run_url: str) -> None:

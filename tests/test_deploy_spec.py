@@ -12,7 +12,8 @@ from prefect.utilities.callables import parameter_schema
 from prefect.utilities.schema_tools import ValidationError, validate
 
 from flows.supervisor import API_OUTAGE_SECONDS, scale_variable
-from flows.ui import artifact_key
+from configs.schema import RunConfig
+from flows.ui import artifact_key, due_for_evaluation
 from infra.deployments import HEARTBEAT_SECONDS, RUN_TAG, UNRESPONSIVE_SECONDS, work_pools_of
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,6 +47,11 @@ def test_evaluation_trigger_fills_the_flow_parameters_from_the_event():
     assert trigger["expect"] == ["tandem.weights.published"] and trigger["match"]["tandem.evaluate"] == "true"
     flow = load_flow_from_entrypoint(str(ROOT / DEPLOYMENTS["evaluation"]["entrypoint"]))
     assert set(trigger["parameters"]) == set(parameter_schema(flow.fn).properties)
+
+
+def test_the_trigger_leaves_the_last_snapshot_to_the_pipelines_closing_evaluation():
+    config = RunConfig.model_validate({"training": {"steps": 9}, "prefect": {"evaluate_every": 3}})
+    assert [v for v in range(1, 10) if due_for_evaluation(config, v)] == [3, 6]
 
 
 def test_evaluations_run_one_at_a_time_and_none_is_dropped():

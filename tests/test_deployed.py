@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from prefect import flow
-from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, FlowFilter, FlowFilterName
 from prefect.events import emit_event
 from prefect.events.worker import EventsWorker
 from prefect.states import Cancelled, Running
@@ -132,6 +132,12 @@ def test_published_snapshots_trigger_evaluation(deployment, finished):
             break
         time.sleep(2)
     assert {3, 6} <= versions, f"triggered evaluations seen: {sorted(versions)}"
+    with deployment.client() as client:
+        evaluations = client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["evaluation"])))
+    for run in evaluations:
+        deployment.wait_final(str(run.id))
+    last = [r for r in read_metrics(store, "evaluation") if r["event"] == "evaluation" and r["version"] == 6]
+    assert len(last) == 1, "the last snapshot is the pipeline's to score, not the trigger's too"
     with deployment.client() as client:
         scored = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[artifact_key(run_id, "evaluation")])))
     assert {3, 6} <= {json.loads(a.data)[0]["version"] for a in scored}

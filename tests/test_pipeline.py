@@ -15,9 +15,10 @@ import pytest
 from configs import TINY_CONFIG
 from flows.cli import run_command
 from configs.schema import StorageConfig
-from flows.pipeline import INTERRUPT_GRACE_SECONDS
+from flows.pipeline import INTERRUPT_GRACE_SECONDS, score_newest_snapshot
 from infra.storage import open_run_store
 from tasks.lease import check_run_free
+from tasks.rundir import load_run_config
 from tasks.envs import Environment, Prompt, Segment, StepResult
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -105,6 +106,17 @@ def test_run_directory_holds_shards_snapshots_checkpoints_and_metrics(finished_r
     assert not (finished_run / "lease.json").exists(), "a finished pipeline releases its run"
     evaluations = records(finished_run, "evaluation")
     assert [e["version"] for e in evaluations] == [0, 3]
+
+
+def test_a_continued_run_keeps_the_score_its_start_version_has(finished_run: Path):
+    """A resumed or retrained run starts from the version the last closing evaluation scored: the
+    pipeline takes that score instead of booting an engine to score it again."""
+    recorded = (finished_run / "metrics" / "evaluation.jsonl").read_bytes()
+    config = load_run_config(f"file://{finished_run}")
+    store = open_run_store(config.storage, config.run_id)
+    assert score_newest_snapshot(config, store) == records(finished_run, "evaluation")[-1]
+    assert (finished_run / "metrics" / "evaluation.jsonl").read_bytes() == recorded, "not scored again"
+    assert score_newest_snapshot(config.model_copy(update={"env": config.env.model_copy(update={"eval_prompts": 0})}), store) is None
 
 
 def test_engines_moved_to_new_weights_mid_run(finished_run: Path):
