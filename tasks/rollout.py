@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 from transformers import PreTrainedTokenizerBase
 
-from infra.engines.api import SamplingParams
+from infra.engines.api import SamplingParams, oldest_weight_version
 from infra.engines.client import EngineClient
 from tasks.envs import Environment, Prompt
 from tasks.shards import Rollout
@@ -69,7 +69,7 @@ async def run_episode(
     reward, turns, finish, version, generate_seconds = 0.0, 0, "length", loaded_version, 0.0
     stop_ids = turn_stop_ids(tokenizer)
     while turns < max_turns:
-        room = context_length - len(prompt_ids) - len(completion)
+        room = context_length - len(prompt_ids) - len(completion) - 1  # SGLang refuses input + new >= context
         if room <= 0:
             finish = "length"
             break
@@ -78,7 +78,7 @@ async def run_episode(
         (result,) = await client.generate(prompt_ids + completion, params, return_logprob=True)
         generate_seconds += time.monotonic() - call_started
         meta = result["meta_info"]
-        version = min(version, _version_number(meta.get("weight_version"), version))
+        version = min(version, _version_number(oldest_weight_version(meta), version))
         tokens = result["output_ids"]
         completion += tokens
         mask += [1] * len(tokens)

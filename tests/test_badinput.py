@@ -343,7 +343,7 @@ ENGINE_CASES = [
     Case("rid of 300 characters", "engine", generate({"input_ids": [1], "rid": "r" * 300}), 422,
          ('"rid"', "at most 256 characters")),
     Case("prompt of 10^6 tokens", "engine", generate(content=tokens(10**6)), 400,
-         "prompt of 1000000 tokens leaves no room in the context of 64"),
+         "Requested token count exceeds the model's maximum context length of 64 tokens: 1000000 tokens of input"),
     Case("prompt of 10^6 + 1 tokens", "engine", generate(content=tokens(10**6 + 1)), 422,
          ('"input_ids"', "at most 1000000 items")),
     Case("prompt of 10^6 wide tokens", "engine", generate(content=tokens(10**6, b"12345678")), 413,

@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -22,7 +23,7 @@ import pytest
 import uvicorn
 
 from configs.schema import ModelConfig, SimLatencyConfig
-from infra.engines.api import SamplingParams
+from infra.engines.api import SamplingParams, oldest_weight_version
 from infra.engines.client import KEEPALIVE_SECONDS, EngineClient, EngineRequestError, NoHealthyEngine
 from infra.engines.control import EngineControl
 from infra.engines.handoff import continued_seed, handed_off_finish, joined_parts
@@ -334,6 +335,22 @@ def test_joined_parts_keep_the_order_and_the_lowest_weight_version():
     assert continued_seed(11, 5) == continued_seed(11, 5) != continued_seed(11, 6) != 11
 
 
+def test_a_result_is_as_old_as_the_oldest_span_that_produced_tokens():
+    """SGLang's weight_version names the newest weights of a request that went on across a load;
+    its weight_versions spans name them all."""
+    spans = [{"version": "3", "start": 0, "end": 4}, {"version": "5", "start": 4, "end": 9}]
+    assert oldest_weight_version({"weight_version": "5", "weight_versions": spans}) == "3"
+    assert oldest_weight_version({"weight_version": "5", "weight_versions": [{"version": "2", "start": 0, "end": 0}, spans[1]]}) == "5"
+    assert oldest_weight_version({"weight_version": "5"}) == "5"
+    assert oldest_weight_version({"weight_version": "default", "weight_versions": [{"version": "default", "start": 0, "end": 3}]}) == "default"
+    part = {"output_ids": [1, 2], "text": "", "meta_info": {"weight_version": "5", "weight_versions": [{"version": "3", "start": 0, "end": 1},
+            {"version": "5", "start": 1, "end": 2}], "finish_reason": {"type": "abort"}}}  # fmt: skip
+    last = {"output_ids": [3], "text": "", "meta_info": {"weight_version": "6", "weight_versions": [{"version": "6", "start": 0, "end": 1}],
+            "finish_reason": {"type": "stop"}}}  # fmt: skip
+    joined = joined_parts([part, last], prompt_tokens=2)["meta_info"]
+    assert joined["weight_version"] == "3" and "weight_versions" not in joined
+
+
 def test_a_handed_off_part_that_ended_in_a_stop_token_or_at_the_limit_is_not_continued():
     """SGLang keeps the token of the decode step an abort lands in; the CPU engine aborts between
     steps, so this case is checked on the decision alone."""
@@ -400,6 +417,49 @@ def test_a_4xx_is_raised_at_once_and_the_engine_stays_in_rotation(engines):
     assert elapsed < 1.0, f"a 4xx took {elapsed:.2f}s: it must not be retried"
     assert all(s["healthy"] and s["failures"] == 0 and s["outstanding"] == 0 for s in status), status
     assert after["meta_info"]["completion_tokens"] == 4
+
+
+class GarbageEngine:
+    """A loopback server that is healthy and answers every /generate with 200 and `body`: an
+    engine behind a proxy's error page, or one that writes half an answer."""
+
+    def __init__(self, body: bytes):
+        async def app(scope, receive, send):
+            if scope["type"] != "http":
+                return
+            text = b"ok" if scope["path"] == "/health" else body
+            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/html")]})
+            await send({"type": "http.response.body", "body": text})
+
+        self.port = free_port_block(count=1)
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> str:
+        self.thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return f"http://127.0.0.1:{self.port}"
+
+    def __exit__(self, *exc_info) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+@pytest.mark.parametrize("body", [b"<html>502 Bad Gateway</html>", b'{"text": "no output_ids"}', b'{"output_ids": [1], "meta_info": {}}'],
+                         ids=["html", "no output_ids", "no finish_reason"])  # fmt: skip
+def test_a_200_that_is_no_answer_takes_the_engine_out_and_the_request_goes_elsewhere(engines, body):
+    async def scenario(garbage: str):
+        async with EngineClient([garbage, engines.urls[0]], api_key=API_KEY, retry_seconds=30) as client:
+            results = await generate_many(client, 12, 4, concurrency=4)
+            return results, client.status()
+
+    with GarbageEngine(body) as garbage:
+        results, status = asyncio.run(scenario(garbage))
+    assert all(r["meta_info"]["completion_tokens"] == 4 for r in results)
+    broken = next(s for s in status if s["url"] == garbage)
+    assert broken["failures"] >= 1, status
 
 
 def test_the_client_drops_idle_connections_before_the_engine_server_would():

@@ -53,7 +53,7 @@ def fuzz_schema(app: FastAPI, engine: CpuEngine) -> schemathesis.BaseSchema:
     request = GenerateRequest.model_json_schema(ref_template="#/components/schemas/{model}")
     document["components"]["schemas"].update(request.pop("$defs"))
     document["components"]["schemas"]["GenerateRequest"] = request
-    request["properties"]["input_ids"].update(maxItems=engine.context_length - 1)
+    request["properties"]["input_ids"].update(maxItems=engine.context_length - 17)  # input + max_new_tokens < context
     request["properties"]["input_ids"]["items"].update(maximum=engine.vocab_size - 1)
     sampling = document["components"]["schemas"]["SamplingParams"]["properties"]
     sampling["n"].update(maximum=4)

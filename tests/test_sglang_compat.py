@@ -75,7 +75,7 @@ def test_every_launcher_flag_is_a_real_sglang_flag(with_key: bool, config_file: 
         engine, "/snap/v00000003", 30001, "3", 17, dtype="float32", config_file=config_file
     )
     flags = check_flags(args)
-    expected = ["--model-path", "--host", "--port", "--tp-size", "--mem-fraction-static", "--random-seed"]
+    expected = ["--model-path", "--host", "--port", "--tp-size", "--mem-fraction-static", "--random-seed", "--base-gpu-id"]
     assert set(expected + ["--weight-version", "--dtype"]) <= set(flags)
     value = dict(zip(args, args[1:]))
     assert (value["--model-path"], value["--port"], value["--tp-size"], value["--mem-fraction-static"]) == (
@@ -83,6 +83,16 @@ def test_every_launcher_flag_is_a_real_sglang_flag(with_key: bool, config_file: 
     )  # fmt: skip
     assert ("--api-key" in flags) == (with_key and config_file is None)
     assert ("--config" in flags) == (with_key and config_file is not None)
+
+
+def test_each_engine_of_a_fleet_gets_its_own_gpus_and_seed_and_reports_raw_logprobs(tmp_path: Path):
+    """Engine i of a fleet starts on GPUs i x tp_size onwards (every one on GPU 0 would each try
+    to take mem_fraction_static of it), with a seed of its own; every one reports the logprobs of
+    the raw distribution, as the trainer computes them."""
+    processes = [launcher.sglang_engine_process(engine_config(), "/m", 30000 + i, tmp_path / f"{i}.log", seed=7, index=i) for i in range(3)]
+    values = [dict(zip(p.command, p.command[1:])) for p in processes]
+    assert [(v["--base-gpu-id"], v["--random-seed"]) for v in values] == [("0", "7"), ("2", "8"), ("4", "9")]
+    assert all(p.env == {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"} for p in processes)
 
 
 def test_optional_flags_are_left_out_when_unset():

@@ -94,6 +94,17 @@ class FinishReason(_Response):
     """Why the request was aborted (type abort)."""
 
 
+class WeightVersionSpan(_Response):
+    """Output tokens [start, end) of a sample, produced by the weights of `version`."""
+
+    version: str
+    """The weight version."""
+    start: int
+    """First output position it produced."""
+    end: int
+    """One past the last output position it produced."""
+
+
 class GenerateMetaInfo(_Response):
     """The `meta_info` of one /generate result."""
 
@@ -110,7 +121,9 @@ class GenerateMetaInfo(_Response):
     output_token_logprobs: list[tuple[float | None, int, str | None]] | None = None
     """[logprob, token_id, text] per generated token (text null unless asked for)."""
     weight_version: str | None = None
-    """Weight version that generated the sample (SGLang: a string)."""
+    """Weight version that generated the sample's last token (SGLang: a string)."""
+    weight_versions: list[WeightVersionSpan] | None = None
+    """Every weight version that generated some of its tokens, when weights changed mid-request."""
     e2e_latency: float | None = None
     """Seconds from arrival to the last token."""
 
@@ -175,3 +188,13 @@ class ModelInfo(_Response):
     """A generative model (not an embedding one)."""
     weight_version: str | None = None
     """Version of the loaded weights."""
+
+
+def oldest_weight_version(meta: dict) -> str | None:
+    """The oldest weight version that produced any token of a result (a `meta_info` dict): the
+    one its staleness counts from. `weight_version` names the newest when an update landed
+    mid-request (SGLang's retract and in-place pauses let a request go on across a load), so
+    the spans decide where the engine reports them."""
+    spans = [span for span in meta.get("weight_versions") or () if span.get("end", 0) > span.get("start", 0)]
+    numbered = [span["version"] for span in spans if isinstance(span.get("version"), str) and span["version"].isdigit()]
+    return min(numbered, key=int) if numbered else meta.get("weight_version")

@@ -110,6 +110,20 @@ health probe brought it back (in both of two 3-step runs of the quick scaling be
 configuration, 1-2 times a run; in neither of two runs with this bound)."""
 
 
+def generate_answer(payload: bytes) -> dict | list[dict]:
+    """A /generate answer parsed, or ValueError if it is not one: every result has output_ids and
+    meta_info with a finish_reason, which is all that callers index without a check. (A proxy's
+    error page or a half-written body can come with a 200.)"""
+    try:
+        answer = json.loads(payload)
+        for result in answer if isinstance(answer, list) else [answer]:
+            if not isinstance(result["output_ids"], list) or not isinstance(result["meta_info"]["finish_reason"], dict):
+                raise TypeError("output_ids or meta_info.finish_reason of the wrong type")
+    except (ValueError, KeyError, TypeError, IndexError) as err:
+        raise ValueError(f"not a /generate answer ({err!r}): {payload[:120]!r}") from None
+    return answer
+
+
 class EngineClient:
     """Least-outstanding balancing, health-based rotation and retries over engine URLs."""
 
@@ -224,12 +238,17 @@ class EngineClient:
                     async with self.http.post(endpoint.url + path, json=body) as response:
                         payload = await response.read()
                     if response.status < 400:
-                        answer = json.loads(payload)
-                        self._count_answer(endpoint, answer, movable)
-                        return answer
-                    if response.status not in RETRYABLE_STATUS:
+                        try:
+                            answer = generate_answer(payload)
+                        except ValueError as err:  # a 200 that is no answer: an engine failing, not the request
+                            self._mark_unhealthy(endpoint, f"malformed answer: {err}")
+                        else:
+                            self._count_answer(endpoint, answer, movable)
+                            return answer
+                    elif response.status not in RETRYABLE_STATUS:
                         raise EngineRequestError(response.status, payload[:500].decode(errors="replace"))
-                    self._mark_unhealthy(endpoint, f"HTTP {response.status}")
+                    else:
+                        self._mark_unhealthy(endpoint, f"HTTP {response.status}")
                 except TRANSPORT_ERRORS as err:
                     self._mark_unhealthy(endpoint, repr(err))
                 finally:

@@ -6,7 +6,14 @@ rollout worker runs.
 
 `update_weights` moves every engine to a new snapshot with SGLang's documented order (pause ->
 update_weights_from_disk -> continue), each engine under its own timeout, and reports which
-engine is on which weight version, so one stuck engine cannot hang a weight sync. An engine given
+engine is on which weight version, so one stuck engine cannot hang a weight sync.
+
+Pauses for a sync are in mode `retract`, which moves running requests back to the engine's queue
+with their output so far. SGLang's update_weights_from_disk flushes the KV cache after loading
+(its `flush_cache`, on by default), and that flush fails while requests sit in the running
+batch, as they do after an `in_place` pause: SGLang then asserts and its server exits. Retracted,
+they are prefilled again on the new weights once continued, so no key or value that the old
+weights computed (the prefix cache included) is used with the new ones. An engine given
 up on mid-sync is out of rotation; once it answers again the probe sends the /continue_generation
 it missed (unless a caller holds it paused for the next sync: `pause` until `update_weights` ends)
 before putting it back.
@@ -37,7 +44,7 @@ class EngineControl(EngineClient):
     """An engine client that also moves its engines to new weights, pauses and aborts them."""
 
     async def update_weights(
-        self, model_path: str, weight_version: str, timeout: float = 120.0, pause_mode: str = "in_place"
+        self, model_path: str, weight_version: str, timeout: float = 120.0, pause_mode: str = "retract"
     ) -> list[WeightSyncResult]:
         """Pause, load and continue every engine concurrently, each within `timeout` s.
 
@@ -64,7 +71,7 @@ class EngineControl(EngineClient):
             raise errors[0]
         return results
 
-    async def pause(self, mode: str = "in_place", timeout: float = 10.0) -> bool:
+    async def pause(self, mode: str = "retract", timeout: float = 10.0) -> bool:
         """Pause every engine: a request sent from now on waits in its queue until the engine is
         continued (SGLang's tokenizer manager holds it before tokenizing; tandem's engines queue
         it). True only if every engine confirmed, within `timeout` s. Every engine is held

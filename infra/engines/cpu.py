@@ -207,6 +207,11 @@ class CpuEngine(ScheduledEngine):
         self._admit()
         self._decode_step()
 
+    def _retract(self) -> None:
+        """The running batch back to the front of the queue; its KV cache is dropped with it."""
+        self.backlog = (self.batch.samples if self.batch else []) + self.backlog
+        self.batch = None
+
     def _fail_running(self, err: Exception) -> None:
         for sample in (self.batch.samples if self.batch else []) + self.backlog:
             if not sample.job.future.done():
@@ -238,9 +243,10 @@ class CpuEngine(ScheduledEngine):
         if room <= 0 or not self.backlog:
             return
         newcomers, self.backlog = self.backlog[:room], self.backlog[room:]
-        width = max(len(s.job.input_ids) for s in newcomers)
-        ids = torch.tensor([[0] * (width - len(s.job.input_ids)) + s.job.input_ids for s in newcomers])
-        mask = torch.tensor([[0] * (width - len(s.job.input_ids)) + [1] * len(s.job.input_ids) for s in newcomers])
+        sequences = [s.job.input_ids + s.output_ids for s in newcomers]  # a retracted one has output
+        width = max(len(sequence) for sequence in sequences)
+        ids = torch.tensor([[0] * (width - len(sequence)) + sequence for sequence in sequences])
+        mask = torch.tensor([[0] * (width - len(sequence)) + [1] * len(sequence) for sequence in sequences])
         cache = DynamicCache()
         logits = self._forward(ids, mask, cache, logits_to_keep=1)
         self.prefill_sizes[len(newcomers)] += 1
@@ -281,8 +287,7 @@ class CpuEngine(ScheduledEngine):
         tokens = sample_tokens(logits, [s.job.params for s in batch.samples], [s.generator for s in batch.samples])
         chosen = logprobs.gather(1, tokens[:, None])[:, 0].tolist()
         for sample, token, logprob in zip(batch.samples, tokens.tolist(), chosen, strict=True):
-            sample.output_ids.append(token)
-            sample.logprobs.append(logprob)
+            sample.record_token(token, logprob, self.weight_version)
             self.tokens_generated += 1
             sample.finish_reason = self._finish_reason(sample, token)
 

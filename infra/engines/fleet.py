@@ -109,7 +109,7 @@ class EngineFleet:
         holding the healthy ones paused, which update_weights then continues after their loads.
         (The control client's probe, continuing an engine a sync left paused, may delay the
         pause by up to its own 2 s timeout.)"""
-        return self._run(lambda client: client.pause("in_place", timeout))
+        return self._run(lambda client: client.pause("retract", timeout))
 
     def update_weights(self, model_dir: Path, version: int, timeout: float = 120.0) -> list[WeightSyncResult]:
         """Pause, load snapshot `version` (a verified local directory) and continue every engine
@@ -135,7 +135,9 @@ class EngineFleet:
         if self.engine.backend == "sglang":
             from infra.engines.sglang import sglang_engine_process
 
-            return sglang_engine_process(self.engine, str(self.model_dir), port, log_path, weight_version=str(self.version))
+            return sglang_engine_process(
+                self.engine, str(self.model_dir), port, log_path, weight_version=str(self.version), index=self.ports.index(port)
+            )
         return cpu_engine_process(
             self.model_dir, port, log_path, host=self.engine.host, api_key=self.api_key,
             max_batch_size=self.engine.max_batch_size, weight_version=str(self.version),

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import random
 
+from infra.engines.api import oldest_weight_version
+
 
 def continued_seed(seed: int | None, generated: int) -> int | None:
     """The seed of a sample's part after `generated` tokens: the first part keeps the caller's,
@@ -46,7 +48,8 @@ def joined_parts(parts: list[dict], prompt_tokens: int) -> dict:
     meta = {**last, "id": parts[0]["meta_info"].get("id"), "prompt_tokens": prompt_tokens, "completion_tokens": len(output_ids)}
     if "output_token_logprobs" in last:
         meta["output_token_logprobs"] = [entry for part in parts for entry in part["meta_info"]["output_token_logprobs"]]
-    versions = [part["meta_info"].get("weight_version") for part in parts if part["output_ids"]] or [last.get("weight_version")]
+    versions = [oldest_weight_version(part["meta_info"]) for part in parts if part["output_ids"]] or [last.get("weight_version")]
     numbered = [v for v in versions if isinstance(v, str) and v.isdigit()]
     meta["weight_version"] = min(numbered, key=int) if numbered else versions[0]
+    meta.pop("weight_versions", None)  # the last part's spans count its own tokens only
     return {**parts[-1], "output_ids": output_ids, "text": "".join(part.get("text", "") for part in parts), "meta_info": meta}

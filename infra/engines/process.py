@@ -53,16 +53,21 @@ class EngineProcess:
         return self
 
     def wait_healthy(self, timeout: float = 120.0) -> EngineProcess:
-        """Return once GET /health answers 200; stop the process and raise if it never does."""
+        """Return once GET /health answers 200; stop the process and raise if it never does,
+        or if the wait itself is interrupted (Ctrl-C, a test's timeout): a server that nobody
+        holds would otherwise outlive its caller, with a GPU's memory taken."""
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise EngineStartError(f"engine exited with code {self.process.returncode}:\n{self.log_tail()}")
-            if self.is_healthy():
-                return self
-            time.sleep(0.2)
-        self.stop()
-        raise EngineStartError(f"engine at {self.url} not healthy after {timeout:.0f}s:\n{self.log_tail()}")
+        try:
+            while time.monotonic() < deadline:
+                if self.process.poll() is not None:
+                    raise EngineStartError(f"engine exited with code {self.process.returncode}:\n{self.log_tail()}")
+                if self.is_healthy():
+                    return self
+                time.sleep(0.2)
+            raise EngineStartError(f"engine at {self.url} not healthy after {timeout:.0f}s:\n{self.log_tail()}")
+        except BaseException:
+            self.stop()
+            raise
 
     def is_healthy(self) -> bool:
         try:

@@ -8,7 +8,8 @@ changes during the step, and no lock is held while the model (or the latency mod
 
 A subclass supplies the steps: `_collect_work` (take submitted jobs in; is there anything to
 step?), `_step` (one batched step), `_fail_running` (end every running request with an error
-after a step raised), plus `abort`, `update_weights` and `stats`.
+after a step raised), `_retract` (a pause in mode retract: running sequences back to the queue),
+plus `abort`, `update_weights` and `stats`.
 """
 
 from __future__ import annotations
@@ -55,6 +56,19 @@ class Sample:
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish_reason: dict | None = None
+    weight_versions: list[dict] = field(default_factory=list)
+    """Which weight version produced which output tokens: SGLang's `meta_info.weight_versions`
+    spans, {version, start, end} over output positions [start, end)."""
+
+    def record_token(self, token: int, logprob: float, weight_version: str) -> None:
+        """Append one generated token, produced by the weights of `weight_version`."""
+        self.output_ids.append(token)
+        self.logprobs.append(logprob)
+        end = len(self.output_ids)
+        if self.weight_versions and self.weight_versions[-1]["version"] == weight_version:
+            self.weight_versions[-1]["end"] = end
+        else:
+            self.weight_versions.append({"version": weight_version, "start": end - 1, "end": end})
 
     @property
     def context_length(self) -> int:
@@ -94,10 +108,20 @@ class ScheduledEngine:
         self.wake.set()
         return future
 
-    def pause(self, mode: str) -> int:
-        """Stop stepping; with mode "abort", also end every request with finish_reason abort."""
+    def pause(self) -> None:
+        """Stop stepping (the server then aborts or retracts the running requests, as the
+        pause's mode asks)."""
         self.paused = True
-        return self.abort(abort_all=True) if mode == "abort" else 0
+
+    def retract_running(self) -> None:
+        """Move every running sequence back to the queue, its output so far kept (a pause in
+        mode retract): once continued, each is prefilled again, prompt and output, on the weights
+        then loaded, so no key or value the old weights computed is used with the new ones.
+
+        Queued, not waited for: a command runs before any later one (a weight load sent after
+        the pause) and before the next step, which the pause holds anyway; waiting would keep the
+        pause's answer behind a load already under way, seconds for a large model."""
+        self.run_command(self._retract)
 
     def resume(self) -> None:
         self.paused = False
@@ -135,6 +159,9 @@ class ScheduledEngine:
                 future.set_exception(err)
 
     def _collect_work(self) -> bool:
+        raise NotImplementedError
+
+    def _retract(self) -> None:
         raise NotImplementedError
 
     def _step(self) -> None:

@@ -131,17 +131,26 @@ def create_app(engine: ScheduledEngine, api_key: str | None = None, max_body_byt
         bad = [t for t in body.input_ids if not 0 <= t < engine.vocab_size]
         if bad:
             raise HTTPException(400, f"input_ids outside the vocabulary [0, {engine.vocab_size}): {bad[:5]}")
-        if len(body.input_ids) >= engine.context_length:
-            raise HTTPException(
-                400, f"prompt of {len(body.input_ids)} tokens leaves no room in the context of {engine.context_length}"
-            )
+        if len(body.input_ids) + body.sampling_params.max_new_tokens >= engine.context_length:
+            # SGLang's own check: input + max_new_tokens must stay below the context length
+            raise HTTPException(400, (
+                f"Requested token count exceeds the model's maximum context length of {engine.context_length} "
+                f"tokens: {len(body.input_ids)} tokens of input and max_new_tokens {body.sampling_params.max_new_tokens}"
+            ))  # fmt: skip
         job = GenerationJob(rid=body.rid or os.urandom(8).hex(), input_ids=body.input_ids, params=body.sampling_params)
         started = time.monotonic()
+        finished = asyncio.wrap_future(engine.submit(job))
+        client_gone = asyncio.ensure_future(_disconnected(request))
         try:
-            await asyncio.wrap_future(engine.submit(job))
+            await asyncio.wait({finished, client_gone}, return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:
             engine.abort(rid=job.rid)
             raise
+        finally:
+            client_gone.cancel()
+        if not finished.done():  # as SGLang does: a client that gave up (a timeout) frees its batch slots
+            await run_in_threadpool(engine.abort, job.rid)
+            await finished
         results = [_result(engine, job, sample, body.return_logprob, started) for sample in job.samples]
         return JSONResponse(results[0] if len(results) == 1 else results)
 
@@ -161,9 +170,13 @@ def create_app(engine: ScheduledEngine, api_key: str | None = None, max_body_byt
         # The pause itself is set here, on the event loop like /continue_generation, so that the two
         # take effect in the order they arrived, as SGLang's do: a pause sent to an engine that was
         # stopped (SIGSTOP) runs when it resumes, before a continue sent after it answered again.
-        engine.pause("in_place")
-        aborted = await run_in_threadpool(engine.abort, None, True) if body.mode == "abort" else 0
-        return {"success": True, "message": f"paused ({body.mode}); aborted {aborted} requests"}
+        engine.pause()
+        if body.mode == "abort":
+            aborted = await run_in_threadpool(engine.abort, None, True)
+            return {"success": True, "message": f"paused (abort); aborted {aborted} requests"}
+        if body.mode == "retract":
+            engine.retract_running()
+        return {"success": True, "message": f"paused ({body.mode})"}
 
     @app.post("/continue_generation")
     async def continue_generation():
@@ -220,6 +233,12 @@ def _invalid(errors: list[dict], prefix: list = ()) -> JSONResponse:
     return JSONResponse({"error": "invalid request", "detail": problems}, status_code=422)
 
 
+async def _disconnected(request: Request) -> None:
+    """Return once the client of `request` (whose body was read) disconnects."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 def _result(engine: ScheduledEngine, job: GenerationJob, sample, return_logprob: bool, started: float) -> dict:
     meta = {
         "id": job.rid if job.params.n == 1 else f"{job.rid}-{sample.index}",
@@ -227,6 +246,7 @@ def _result(engine: ScheduledEngine, job: GenerationJob, sample, return_logprob:
         "prompt_tokens": len(job.input_ids),
         "completion_tokens": len(sample.output_ids),
         "weight_version": job.weight_version,
+        "weight_versions": sample.weight_versions or [{"version": job.weight_version, "start": 0, "end": 0}],
         "e2e_latency": time.monotonic() - started,
     }
     if return_logprob:

@@ -27,21 +27,26 @@ from infra.engines.process import EngineProcess, EngineStartError
 
 log = logging.getLogger(__name__)
 MASK = "***"
+SGLANG_ENV = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}
+"""Set for every SGLang server: behaviour logprobs of the raw distribution, as tandem's CPU engine
+reports them and the trainer computes them. By default SGLang reports log softmax(logits / T),
+which at a temperature other than 1 skews every token's importance ratio."""
 INSTALL_HINT = "pip install 'tandem[sglang]'"
 
 
 def sglang_server_args(
     engine: EngineConfig, model_path: str, port: int, weight_version: str | None, seed: int,
-    *, dtype: str | None = None, config_file: Path | None = None,
+    *, dtype: str | None = None, config_file: Path | None = None, base_gpu_id: int = 0,
 ) -> list[str]:  # fmt: skip
     """The command line of one SGLang server. With an API key, it travels in `config_file` (a
     YAML file the caller writes with `write_secret_config`), or as `--api-key` when that is None.
-    `dtype` should be given: SGLang's "auto" runs float32 checkpoints in float16."""
+    `dtype` should be given: SGLang's "auto" runs float32 checkpoints in float16. The server runs
+    on GPUs base_gpu_id .. base_gpu_id + tp_size - 1: engine i of a fleet on its own ones."""
     args = [
         sys.executable, "-m", "sglang.launch_server",
         "--model-path", str(model_path), "--host", engine.host, "--port", str(port),
         "--tp-size", str(engine.tp_size), "--mem-fraction-static", str(engine.mem_fraction_static),
-        "--random-seed", str(seed),
+        "--random-seed", str(seed), "--base-gpu-id", str(base_gpu_id),
     ]  # fmt: skip
     if weight_version is not None:
         args += ["--weight-version", weight_version]
@@ -83,12 +88,13 @@ def checkpoint_dtype(model_path: str | Path) -> str | None:
 
 def sglang_engine_process(
     engine: EngineConfig, model_path: str, port: int, log_path: Path,
-    weight_version: str | None = None, seed: int = 0, dtype: str | None = None,
+    weight_version: str | None = None, seed: int = 0, dtype: str | None = None, index: int = 0,
 ) -> SGLangEngineProcess:  # fmt: skip
-    """An SGLang server for `model_path`, in the checkpoint's own dtype unless `dtype` is given
+    """SGLang server `index` of a fleet for `model_path`: on its own GPUs (tp_size of them from
+    index x tp_size) with its own seed, in the checkpoint's own dtype unless `dtype` is given
     (so behaviour logprobs come from the precision the trainer uses, not SGLang's float16)."""
     dtype = dtype or checkpoint_dtype(model_path)
-    return SGLangEngineProcess(engine, model_path, port, log_path, weight_version, seed, dtype)
+    return SGLangEngineProcess(engine, model_path, port, log_path, weight_version, seed + index, dtype, index * engine.tp_size)
 
 
 def require_sglang() -> None:
@@ -111,15 +117,15 @@ class SGLangEngineProcess(EngineProcess):
 
     def __init__(
         self, engine: EngineConfig, model_path: str, port: int, log_path: Path,
-        weight_version: str | None = None, seed: int = 0, dtype: str | None = None,
+        weight_version: str | None = None, seed: int = 0, dtype: str | None = None, base_gpu_id: int = 0,
     ):  # fmt: skip
         self._secret = engine.api_key.get_secret_value() if engine.api_key is not None else None
         self._engine = engine
         self.config_file = log_path.with_name(f".{log_path.stem}.secret.yaml") if self._secret else None
         command = sglang_server_args(
-            engine, model_path, port, weight_version, seed, dtype=dtype, config_file=self.config_file
+            engine, model_path, port, weight_version, seed, dtype=dtype, config_file=self.config_file, base_gpu_id=base_gpu_id
         )
-        super().__init__(command, f"http://{_connect_host(engine.host)}:{port}", log_path)
+        super().__init__(command, f"http://{_connect_host(engine.host)}:{port}", log_path, env=SGLANG_ENV)
 
     def start(self, timeout: float = 900.0) -> SGLangEngineProcess:
         """Start SGLang and return once GET /health answers 200 (model load can take minutes)."""

@@ -22,7 +22,8 @@ cost almost no CPU while each takes the time a GPU would:
   real optimizer step) sees valid data and lengths follow the model, not chance stop tokens;
 - `update_weights` verifies the snapshot's manifest like the CPU engine, then holds generation
   for `load_s_per_gb` times the snapshot's size; pause, continue and abort behave as the CPU
-  engine's. Outputs are seeded by the request's sampling_seed and the weight version, so they
+  engine's, and a retract charges the running sequences' prefill (prompt and output so far) to
+  the step after it. Outputs are seeded by the request's sampling_seed and the weight version, so they
   change when the weights do.
 
 Like the CPU engine, one scheduler thread does all the work (scheduler.py `ScheduledEngine`);
@@ -70,6 +71,8 @@ class SimEngine(ScheduledEngine):
         self.lengths: dict[int, int] = {}
         """id(sample) -> the length it will end at."""
         self.rngs: dict[int, random.Random] = {}
+        self.retracted_tokens = 0
+        """Tokens a retract left to prefill again, charged to the next step."""
         self.tokens_generated = 0
         self.busy_seconds = 0.0
         self.batch_sizes: Counter[int] = Counter()
@@ -124,9 +127,15 @@ class SimEngine(ScheduledEngine):
         return bool(self.running_samples or self.backlog) or not self.waiting.empty()
 
     def _step(self) -> None:
-        prefill_tokens = self._admit_waiting()
+        prefill_tokens = self._admit_waiting() + self.retracted_tokens
+        self.retracted_tokens = 0
         if self.running_samples:
             self._decode_step(prefill_tokens)
+
+    def _retract(self) -> None:
+        """The running sequences stay where they are, but the next step pays their prefill again
+        (prompt and output so far), as a GPU engine's would after a retract."""
+        self.retracted_tokens += sum(len(s.job.input_ids) + len(s.output_ids) for s in self.running_samples)
 
     def _fail_running(self, err: Exception) -> None:
         for job in {s.job for s in self.running_samples}:
@@ -188,8 +197,7 @@ class SimEngine(ScheduledEngine):
                 token = last
             else:
                 token = self.rngs[id(sample)].choice(self._choices(stop_ids))
-            sample.output_ids.append(token)
-            sample.logprobs.append(self.logprob)
+            sample.record_token(token, self.logprob, self.weight_version)
             self.tokens_generated += 1
             if token == self.eos_token_id or token in stop_ids:
                 sample.finish_reason = {"type": "stop", "matched": token}
