@@ -146,7 +146,6 @@ def run(
     """Train end to end: warm-start, generation and training side by side, evaluation, summary."""
     resolved = resolve_config(config, overrides, run_id)
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    from flows.pipeline import pipeline
     from infra.storage import StorageRejected, StorageUnavailable, open_run_store
     from tasks.lease import RunInUse, check_run_free
     from tasks.rundir import RunConflict, check_recorded_config, check_run_inputs
@@ -164,6 +163,8 @@ def run(
         fail(str(err), code=1)
     if resolved.prefect.mode == "local" or resolved.env.eval_prompts:  # this process starts engines
         require_engine_backend(resolved)
+    from flows.pipeline import pipeline  # Prefect, torch and the flows (8 s): after the checks
+
     try:
         pipeline(resolved)
     except (RunConflict, ConfigError) as err:
@@ -239,14 +240,15 @@ def scale(
     generators: Annotated[int, typer.Option(help="Generation runs the run should have.", min=1, max=256)],
 ) -> None:
     """Ask a deployed run for N generation runs; its parent adds or retires them within seconds."""
-    from prefect.variables import Variable
-
     from configs.schema import is_run_id
-    from flows.supervisor import running_pipeline, scale_variable
 
     if not is_run_id(run_id):
         fail(f"{run_id!r} is not a run id (letters, digits, '.', '_', '-', no '..'; at most 64 characters)")
     url = prefect_server_url()
+    from prefect.variables import Variable
+
+    from flows.supervisor import running_pipeline, scale_variable  # the flows (seconds): after the checks
+
     with prefect_server_reached(url):
         if running_pipeline(run_id) is None:
             fail(f"no pipeline of run {run_id!r} is running on {url}: nothing to scale", code=1)

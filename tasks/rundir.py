@@ -20,7 +20,6 @@ from infra.modelfactory import given_model_dir, load_model, load_tokenizer, prep
 from infra.storage import RunStore, open_run_store
 from tasks.envs import EnvironmentLoadError, load_environment
 from tasks.snapshots import latest_version, publish_snapshot, publish_snapshot_dir, snapshot_versions
-from tasks.warmup import warm_start
 
 CONFIG_KEY = "config.json"
 MASKED_SECRET = "**********"
@@ -129,6 +128,8 @@ def initialize_run(config: RunConfig) -> RunStore:
             if config.training.warmup_steps == 0:
                 publish_snapshot_dir(store, model_dir, 0)
             else:
+                from tasks.warmup import warm_start  # torch's import (4 s): not for the checks above
+
                 model, tokenizer = load_model(model_dir), load_tokenizer(model_dir)
                 warm_start(model, tokenizer, config)
                 publish_snapshot(store, model, tokenizer, 0, staging_dir=Path(staging))
