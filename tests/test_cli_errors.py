@@ -64,6 +64,7 @@ def test_scale_and_deploy_name_the_url_of_a_server_that_is_down(args, tmp_path: 
     assert f"cannot reach the Prefect server at {url}" in line and "Connection refused" in line
 
 
+@pytest.mark.slow
 def test_engine_serve_on_a_taken_port_fails_in_one_line_without_claiming_to_serve(held_port: int, tmp_path: Path):
     model = committed_model_dir(tmp_path / "model", seed=0)
     done = tandem("engine", "serve", "--model", str(model), "--port", str(held_port))
@@ -82,6 +83,7 @@ def test_engine_serve_on_a_taken_port_fails_in_one_line_without_claiming_to_serv
     ],
     ids=["cpu without weights", "sim without tokenizer"],
 )
+@pytest.mark.slow
 def test_engine_serve_on_a_model_it_cannot_load_fails_in_one_line(remove, engine_args, reason, tmp_path: Path):
     model = committed_model_dir(tmp_path / "model", seed=0)
     (model / remove).unlink()
@@ -95,6 +97,7 @@ def test_engine_serve_on_a_model_it_cannot_load_fails_in_one_line(remove, engine
     assert "serving" not in done.stdout + done.stderr
 
 
+@pytest.mark.slow
 def test_of_two_engines_started_on_one_port_one_serves_and_the_other_fails(tmp_path: Path):
     """Both may bind the port while nothing listens on it yet (SO_REUSEADDR); the one that lost it
     used to load its model, log "serving" and stay up listening on nothing, since uvloop does not

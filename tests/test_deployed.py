@@ -9,6 +9,7 @@ It checks the outcome through the Prefect API and the run directory in S3.
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 import os
 import shutil
 import signal
@@ -29,6 +30,7 @@ from benchmarks.prefect_restart import restart_mid_run
 from infra.deployed_harness import Deployment, bin_path, flow_run_id_from
 from infra.deployments import RUN_TAG, ensure_unresponsive_run_automation
 from tasks.metrics import read_metrics
+from tasks.promotion import PROMOTED_KEY, Promotion, read_promoted
 from tasks.shards import list_shards, parse_shard_key
 from tasks.snapshots import snapshot_versions
 
@@ -148,15 +150,21 @@ def test_retrain_continues_the_run(deployment, finished):
     with deployment.client() as client:
         retrain = client.read_deployment_by_name("retrain/tandem")
     assert [(s.schedule.cron, s.active) for s in retrain.schedules] == [("0 3 * * *", False)]
+    store = deployment.store(run_id)
+    below_any = Promotion(store.url, 6, -1e9)  # under any reachable score: the retrain must move PROMOTED
+    store.write_atomic(PROMOTED_KEY, json.dumps(asdict(below_any)).encode())
     out = deployment.cli(_bin("prefect"), "deployment", "run", "retrain/tandem", "--param", f"run_id={run_id}",
                          "--param", "steps=2", "--param", f"storage_root=s3://{deployment.bucket}/runs")  # fmt: skip
     run = deployment.wait_final(_flow_run_id(out))
     assert run.state.is_completed(), run.state.message
-    store = deployment.store(run_id)
     steps = [r["version"] for r in read_metrics(store, "trainer") if r["event"] == "train_step"]
     assert sorted(set(steps)) == list(range(1, 9)), "versions continue from 6 to 8"
     assert snapshot_versions(store)[-1] == 8
-    assert_promoted_only_on_improvement(store, store, before=6, after=8)
+    scores = {r["version"]: r["score"] for r in read_metrics(store, "evaluation") if r["event"] == "evaluation"}
+    promoted = read_promoted(store)
+    assert (promoted.run_url, promoted.version, promoted.score) == (store.url, 8, scores[8])
+    above_any = Promotion(store.url, 8, 1e9)  # over any reachable score (rewards are at most 1): nothing may move it
+    store.write_atomic(PROMOTED_KEY, json.dumps(asdict(above_any)).encode())
 
     out = deployment.cli(_bin("prefect"), "deployment", "run", "retrain/tandem", "--param", f"run_id={run_id}", "--param", "steps=2",
                          "--param", f"new_run_id={run_id}-next", "--param", f"storage_root=s3://{deployment.bucket}/runs")  # fmt: skip
@@ -166,23 +174,14 @@ def test_retrain_continues_the_run(deployment, finished):
     assert snapshot_versions(successor)[-1] == 2
     recorded = json.loads(successor.read_bytes("config.json"))
     assert recorded["training"]["warmup_steps"] == 0 and recorded["model"]["path"], "starts from the source's snapshot"
+    assert read_promoted(store) == above_any, "a retrain scoring below the promoted score leaves PROMOTED alone"
 
 
-def assert_promoted_only_on_improvement(source, candidate, before: int, after: int) -> None:
-    """PROMOTED names the retrained snapshot iff it scored above the promoted one (or, with none
-    promoted, above the score retraining started from)."""
-    scores = {r["version"]: r["score"] for r in read_metrics(candidate, "evaluation") if r["event"] == "evaluation"}
-    try:
-        promoted = json.loads(source.read_bytes("PROMOTED.json"))
-    except FileNotFoundError:
-        promoted = None
-    if scores[after] > scores[before]:
-        assert promoted and promoted["version"] == after and promoted["score"] == scores[after]
-    else:
-        assert promoted is None
+NO_EVALUATION = "env.eval_prompts=0"
+"""For the runs that test something else: the evaluations before and after a run each boot an
+engine in the parent, about 10 s of a loaded machine's time a run."""
 
-
-LONG_ENOUGH_TO_JOIN = ["training.steps=20", "training.simulate_step_seconds=2.5"]
+LONG_ENOUGH_TO_JOIN = ["training.steps=20", "training.simulate_step_seconds=2.5", NO_EVALUATION]
 """About 60 s of steps, most of it the trainer sleeping, for the tests in which a second generation
 run joins mid-run: that took 13 s with the CPU this leaves free, and 30-40 s on two busy cores (a
 worker's poll, a fresh process's imports, engines booting). Counting steps alone did not do it:
@@ -211,7 +210,7 @@ def test_scale_up_and_down_mid_run(deployment):
 
 def test_killed_generation_run_is_restarted(deployment):
     run_id = "killed"
-    flow_run_id = deployment.start_pipeline(deployment.config(run_id, "training.steps=16"))
+    flow_run_id = deployment.start_pipeline(deployment.config(run_id, "training.steps=16", NO_EVALUATION))
     store = deployment.store(run_id)
     _wait(lambda: _trainer_version(store) >= 2, 300, "training to reach v2")
     started = [r for r in read_metrics(store, "generator-gen0") if r["event"] == "engines_started"]
@@ -245,7 +244,8 @@ def test_autoscale_adds_a_generator_while_the_trainer_waits(deployment):
 
 def test_generation_that_fails_for_good_fails_the_run_and_leaves_nothing_running(deployment):
     run_id = "broken"
-    broken = ["env.entrypoint=tests.test_recovery:BrokenTrainingEnv", "env.kwargs={}", "env.max_turns=1", "prefect.generation_restarts=1"]
+    broken = ["env.entrypoint=tests.test_recovery:BrokenTrainingEnv", "env.kwargs={}", "env.max_turns=1", "prefect.generation_restarts=1",
+              NO_EVALUATION]  # fmt: skip
     flow_run_id = deployment.start_pipeline(deployment.config(run_id, *broken))
     parent = deployment.wait_final(flow_run_id, timeout=600)
     assert parent.state.is_failed()

@@ -152,7 +152,7 @@ def test_an_interrupted_run_stops_its_children_and_exits(tmp_path: Path, whom: s
     Either way with 130 and no process of its own left (the engines exit with it). Before, it hung
     for good, its engine still up."""
     (tmp_path / "scratch").mkdir()
-    overrides = [f"storage.root=file://{tmp_path}", "run_id=interrupted", "training.steps=500", "env.eval_prompts=0", "dask.n_workers=1"]
+    overrides = [f"storage.root=file://{tmp_path}", "run_id=interrupted", "training.steps=500", "training.warmup_steps=0", "env.eval_prompts=0", "dask.n_workers=1"]
     env = os.environ | {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "TMPDIR": str(tmp_path / "scratch")}
     log = (tmp_path / "run.log").open("w")
     run = subprocess.Popen(run_command(TINY_CONFIG, overrides), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -178,7 +178,7 @@ def test_an_interrupted_run_stops_its_children_and_exits(tmp_path: Path, whom: s
     assert "stopping the trainer and generators: the pipeline was interrupted" in output
     check_run_free(open_run_store(StorageConfig(root=f"file://{tmp_path}"), "interrupted"))  # "start it again to resume"
     if whom == "process":
-        assert took < INTERRUPT_GRACE_SECONDS, f"its children did not stop by themselves ({took:.1f} s)"
+        assert "did not stop within" not in output, f"its children did not stop by themselves ({took:.1f} s)"
         assert json.loads(trainer_state.read_text())["done"] is True, "the trainer marked itself done"
 
 

@@ -418,10 +418,14 @@ def test_writer_killed_at_a_random_point_leaves_only_complete_shards(backend, tm
     store = open_run_store(StorageConfig(**fields), "run-kill")
     child = _start_writer(fields)
     try:
-        time.sleep(random.uniform(0.3, 1.5))
+        deadline = time.monotonic() + 60
+        while not list_shards(store):  # then the kill lands among the later shards, not before all of them
+            assert time.monotonic() < deadline, "the writer committed no shard"
+            time.sleep(0.05)
+        time.sleep(random.Random(request.node.name).uniform(0.1, 1.0))
     finally:
         _kill(child)
-    _assert_only_complete_shards(store)
+    assert _assert_only_complete_shards(store), "the kill left no shard to check"
 
 
 def test_writer_killed_with_a_shard_file_open_leaves_no_visible_shard(tmp_path: Path):

@@ -288,6 +288,7 @@ def test_storage_up_serves_s3_and_stops_on_sigterm(tmp_path: Path):
 
 
 @pytest.mark.s3
+@pytest.mark.slow
 def test_credentials_come_from_a_prefect_secret_block_when_named(seaweed, monkeypatch):
     """A deployed run names a Secret block instead of carrying credentials as parameters."""
     from prefect.blocks.system import Secret

@@ -1,0 +1,98 @@
+"""The agent loop (tasks/rollout.py) against a real CPU engine on loopback: what a trajectory holds.
+
+The trainer scores exactly what a rollout records, so these check it token by token: model tokens
+with the engine's behaviour logprobs under loss_mask 1, environment tokens under loss_mask 0, the
+context bound, and the weight version the lag bound is checked against.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from itertools import groupby
+
+import pytest
+
+from infra.engines.api import SamplingParams
+from infra.engines.client import EngineClient
+from infra.engines.process import cpu_engine_process
+from infra.modelfactory import load_tokenizer
+from infra.ports import free_port_block
+from tasks.envs import Environment, Prompt, StepResult
+from tasks.rollout import prompt_token_ids, run_episode
+from tests.conftest import committed_model_dir, reference_logprobs
+
+pytestmark = pytest.mark.slow
+
+OBSERVATION = " 7 <eot>"
+"""What the tool answers each turn: in the tiny tokenizer's vocabulary."""
+
+
+class ToolEnv(Environment):
+    """Answers every turn with OBSERVATION; done after `max_turns`, with reward 1 for trying."""
+
+    def reset(self, prompt: Prompt) -> str:
+        self.turns = 0
+        return prompt.text
+
+    def step(self, action: str) -> StepResult:
+        self.turns += 1
+        done = self.turns >= self.max_turns
+        return StepResult("" if done else OBSERVATION, 1.0 if done else 0.0, done, {})
+
+    def prompts(self, split, count, seed):
+        return [Prompt(f"{split}-{i}", "1 + 2 =", "3") for i in range(count)]
+
+    def demonstration(self, prompt):
+        return []
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    """A CPU engine serving weight version 4 of a tiny model (context 64)."""
+    root = tmp_path_factory.mktemp("rollout")
+    model = committed_model_dir(root / "model", seed=0)
+    process = cpu_engine_process(model, free_port_block(count=1), root / "engine.log", weight_version="4")
+    with process.start(timeout=120):
+        yield model, process.url
+
+
+def episode(engine, max_turns: int, max_new_tokens: int, loaded_version: int):
+    model, url = engine
+    tokenizer = load_tokenizer(model)
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens, ignore_eos=True)
+
+    async def play():
+        async with EngineClient([url]) as client:
+            return await run_episode(
+                client, ToolEnv(max_turns), ToolEnv(max_turns).prompts("train", 1, 0)[0], tokenizer, sampling,
+                max_turns=max_turns, context_length=64, loaded_version=loaded_version, group_id="g0", producer="gen0",
+            )  # fmt: skip
+
+    return model, tokenizer, asyncio.run(play())
+
+
+def test_model_tokens_carry_the_engines_logprobs_and_tool_tokens_are_masked_out(engine):
+    model, tokenizer, rollout = episode(engine, max_turns=3, max_new_tokens=4, loaded_version=9)
+    observation = tokenizer.encode(OBSERVATION, add_special_tokens=False)
+    assert rollout.prompt_ids == prompt_token_ids(tokenizer, "1 + 2 =")
+    runs = [(mask, [t for _, t in run]) for mask, run in groupby(zip(rollout.loss_mask, rollout.completion_ids), key=lambda p: p[0])]
+    assert [mask for mask, _ in runs] == [1, 0, 1, 0, 1], "three model turns, two tool answers between them"
+    assert all(1 <= len(tokens) <= 4 for mask, tokens in runs if mask), "a turn is at most max_new_tokens"
+    assert all(tokens == observation for mask, tokens in runs if not mask), "tool text is encoded once, as is"
+    assert all(lp == 0.0 for lp, m in zip(rollout.behavior_logprobs, rollout.loss_mask) if m == 0)
+    reference = reference_logprobs(model, rollout.prompt_ids, rollout.completion_ids)
+    served = [lp for lp, m in zip(rollout.behavior_logprobs, rollout.loss_mask) if m]
+    assert served == pytest.approx([lp for lp, m in zip(reference, rollout.loss_mask) if m], abs=1e-4), (
+        "the model's tokens are scored as the engine sampled them, in the context the trainer sees"
+    )
+    assert (rollout.turns, rollout.reward) == (3, 1.0)
+    assert rollout.policy_version == 4, "an episode is as old as the weights that produced its tokens"
+
+
+def test_an_episode_ends_at_the_context_without_a_request_the_engine_refuses(engine):
+    """Every turn asks for at most the context minus the tokens so far minus one: the engine (as
+    SGLang) answers 400 to input + max_new_tokens >= its context, which would end the episode."""
+    _, _, rollout = episode(engine, max_turns=50, max_new_tokens=16, loaded_version=4)
+    assert len(rollout.prompt_ids) + len(rollout.completion_ids) <= 64
+    assert rollout.finish_reason == "length" and rollout.turns < 50, "it ended at the context, not by its turns"
+    assert len(rollout.completion_ids) == len(rollout.loss_mask) == len(rollout.behavior_logprobs)
