@@ -63,7 +63,7 @@ def restart_mid_run(deployment: Deployment, run_id: str, seed: int, steps: int, 
     restart the server, wait until the run is final. Returns `run_with_prefect_restart`'s dict
     plus "flow_run_id", the pipeline run's id."""
     rng = random.Random(seed)
-    config = deployment.config(run_id, f"training.steps={steps}")
+    config = deployment.config(run_id, f"training.steps={steps}", "env.eval_prompts=0")  # the restart is the test
     flow_run_id = deployment.start_pipeline(config)
     store = deployment.store(run_id)
     _wait_for_snapshot(deployment, store, flow_run_id, version=1)

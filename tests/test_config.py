@@ -137,7 +137,7 @@ def test_console_script_exit_code_is_2_for_a_bad_config(tmp_path: Path):
 
 def test_init_writes_config_and_snapshot_once_and_refuses_a_changed_config(tmp_path: Path):
     root = f"file://{tmp_path}/runs"
-    args = ["init", str(CONFIG_DIR / "tiny.yaml"), "--set", f"storage.root={root}", "--run-id", "r1"]
+    args = ["init", str(CONFIG_DIR / "tiny.yaml"), "--set", f"storage.root={root}", "--run-id", "r1", "--set", "training.warmup_steps=0"]
     first = runner.invoke(app, args)
     assert first.exit_code == 0, first.output
     run_dir = tmp_path / "runs" / "r1"

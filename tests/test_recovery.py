@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 
 SMALL_RUN = [
     "training.warmup_steps=5", "training.prompts_per_step=4", "generation.prompts_per_chunk=2",
-    "env.eval_prompts=8", "lag.max_lag=1", "dask.n_workers=1",
+    "env.eval_prompts=0", "lag.max_lag=1", "dask.n_workers=1",
 ]  # fmt: skip
 
 

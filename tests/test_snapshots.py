@@ -343,7 +343,7 @@ def test_an_evaluation_of_a_version_not_kept_names_it_and_leaves_no_pin(tmp_path
     from tasks.rundir import initialize_run
     from tasks.snapshots import SnapshotMissing, pinned_versions
 
-    config = load_config(TINY_CONFIG, [f"storage.root=file://{tmp_path}", "run_id=evalpin"])
+    config = load_config(TINY_CONFIG, [f"storage.root=file://{tmp_path}", "run_id=evalpin", "training.warmup_steps=0"])
     store = initialize_run(config)
     with pytest.raises(SnapshotMissing, match="no snapshot v7 under .*kept: v0"):
         evaluation.fn(config, version=7)
