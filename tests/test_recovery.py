@@ -13,7 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from configs import TINY_CONFIG
+from configs import TINY_CONFIG, load_config
+from flows.training import training
+from infra.manifest import ManifestError
+from tasks.lag import read_trainer_state
+from tasks.rundir import initialize_run
 from tests.test_pipeline import ROOT, CopyEnv
 
 pytestmark = pytest.mark.slow
@@ -41,3 +45,18 @@ def test_a_generation_side_that_fails_for_good_fails_the_run_instead_of_hanging(
     assert done.returncode != 0
     assert "environment bug" in (tmp_path / "broken" / "lag" / "stop.json").read_text()
     assert "GenerationStopped" in done.stdout + done.stderr
+
+
+def test_a_trainer_that_fails_marks_itself_done_so_that_generators_stop(tmp_path: Path):
+    """Generators wait for a trainer that is not done; one that died without saying so would
+    keep them (and their engines) waiting for good."""
+    config = load_config(TINY_CONFIG, [f"storage.root=file://{tmp_path}", "run_id=lost-trainer", "training.warmup_steps=0"])
+    store = initialize_run(config)
+    weights = tmp_path / "lost-trainer" / "weights" / "v00000000" / "model.safetensors"
+    damaged = bytearray(weights.read_bytes())
+    damaged[-1] ^= 0xFF
+    weights.write_bytes(bytes(damaged))
+    assert not read_trainer_state(store).done
+    with pytest.raises(ManifestError):
+        training.fn(config)
+    assert read_trainer_state(store).done
