@@ -134,8 +134,9 @@ class SimEngine(ScheduledEngine):
 
     def _retract(self) -> None:
         """The running sequences stay where they are, but the next step pays their prefill again
-        (prompt and output so far), as a GPU engine's would after a retract."""
-        self.retracted_tokens += sum(len(s.job.input_ids) + len(s.output_ids) for s in self.running_samples)
+        (prompt and output so far), as a GPU engine's would after a retract; once, however many
+        retracts a pause gets (a weight sync's pre-pause and its own pause)."""
+        self.retracted_tokens = sum(len(s.job.input_ids) + len(s.output_ids) for s in self.running_samples)
 
     def _fail_running(self, err: Exception) -> None:
         for job in {s.job for s in self.running_samples}:
