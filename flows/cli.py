@@ -125,14 +125,18 @@ def init(
 ) -> None:
     """Create a run directory: the resolved config.json and the initial weight snapshot v0."""
     resolved = resolve_config(config, overrides, run_id)  # before importing torch: fail fast
-    from tasks.rundir import RunConflict, initialize_run
+    from infra.storage import StorageRejected, StorageUnavailable, open_run_store
+    from tasks.rundir import RunConflict, check_run_writable, initialize_run
     from tasks.snapshots import snapshot_versions
 
     try:
+        check_run_writable(open_run_store(resolved.storage, resolved.run_id))
         with console.status(f"initialising run {resolved.run_id}"):
             store = initialize_run(resolved)
     except (RunConflict, ConfigError) as err:  # another config, or a damaged config.json
         fail(str(err))
+    except (StorageUnavailable, StorageRejected) as err:
+        fail(f"storage.root {resolved.storage.root}: {err}", code=1)
     console.print(f"run directory: [bold]{store.url}[/]")
     console.print(f"snapshots: {snapshot_versions(store)}; files: {len(store.list_recursive(''))}")
 
@@ -148,12 +152,13 @@ def run(
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     from infra.storage import StorageRejected, StorageUnavailable, open_run_store
     from tasks.lease import RunInUse, check_run_free
-    from tasks.rundir import RunConflict, check_recorded_config, check_run_inputs
+    from tasks.rundir import RunConflict, check_recorded_config, check_run_inputs, check_run_writable
 
     try:  # here too, so that a typo or a reused run id is one line and not a failed flow run
         store = open_run_store(resolved.storage, resolved.run_id)
         check_run_inputs(resolved, store)
         check_recorded_config(store, resolved)
+        check_run_writable(store)
         check_run_free(store)
     except (RunConflict, ConfigError) as err:
         fail(str(err))

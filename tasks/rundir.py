@@ -11,13 +11,14 @@ is a model), so a typo there leaves no config.json behind to refuse the correcte
 from __future__ import annotations
 
 import json
+import os
 import tempfile
 from pathlib import Path
 
 from configs.loader import ConfigError, apply_override, validate_config
 from configs.schema import RunConfig, StorageConfig, is_run_id
 from infra.modelfactory import given_model_dir, load_model, load_tokenizer, prepare_initial_model
-from infra.storage import RunStore, open_run_store
+from infra.storage import RunStore, StorageRejected, open_run_store
 from tasks.envs import EnvironmentLoadError, load_environment
 from tasks.snapshots import latest_version, publish_snapshot, publish_snapshot_dir, snapshot_versions
 
@@ -25,9 +26,15 @@ CONFIG_KEY = "config.json"
 MASKED_SECRET = "**********"
 
 
-OPERATIONAL_FIELDS = ("training.steps", "prefect", "dask", "engine", "generation.engines")
+OPERATIONAL_FIELDS = (
+    "run_id", "storage.root", "storage.endpoint_url", "storage.retry_seconds", "storage.keep_last_snapshots",
+    "storage.keep_every_snapshot", "training.steps", "training.checkpoint_every", "generation.engines",
+    "generation.prompts_per_chunk", "generation.hand_off_stragglers", "env.eval_prompts", "prefect", "dask", "engine",
+)  # fmt: skip
 """Config fields a restarted or continued run may change: how it runs and for how long, not
-what it trains on. config.json keeps the values of the run's first start."""
+what it trains on. config.json keeps the values of the run's first start. Where the run lies
+(run_id, storage.root and its endpoint) is among them: the directory found there is the run,
+however its root was spelt (`file://./runs` from another directory, an absolute path, a copy)."""
 
 
 class RunConflict(ValueError):
@@ -96,6 +103,8 @@ def load_run_config(run_url: str, overrides: list[str] | tuple[str, ...] = ()) -
             for key, value in list(section.items()):
                 if value == MASKED_SECRET:
                     section[key] = None
+    recorded["run_id"] = run_id  # the run the URL names, wherever it was started (a relative
+    recorded.setdefault("storage", {})["root"] = root  # root names another place from elsewhere)
     for override in overrides:
         apply_override(recorded, override)
     return validate_config(recorded)
@@ -138,6 +147,28 @@ def initialize_run(config: RunConfig) -> RunStore:
 
 def _has_initial_snapshot(store: RunStore) -> bool:
     return 0 in snapshot_versions(store) or latest_version(store) is not None
+
+
+def check_run_writable(store: RunStore) -> None:
+    """StorageRejected, in one line, unless a file:// run directory exists or can be made, and
+    can be written (S3's bucket is made or refused when the store opens). Otherwise the first
+    write, the run's lease, failed with a traceback of a few hundred lines. Leaves nothing
+    behind: the directories it made to find out are removed again."""
+    path = store.local_path("")
+    if path is None:
+        return
+    made = [p for p in (path, *path.parents) if not p.exists()]
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".tandem-write-check-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as err:
+        raise StorageRejected(f"cannot write the run directory {path}: {err.strerror or err}") from None
+    finally:
+        for directory in made:  # deepest first
+            if directory.is_dir():
+                directory.rmdir()
 
 
 def check_run_inputs(config: RunConfig, store: RunStore) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,7 @@ from typer.testing import CliRunner
 
 from configs import CONFIG_DIR, ConfigError, RunConfig, load_config
 from flows.cli import app, resolve_config
+from tasks.rundir import load_run_config
 
 runner = CliRunner()
 
@@ -152,10 +154,28 @@ def test_init_writes_config_and_snapshot_once_and_refuses_a_changed_config(tmp_p
     assert changed.exit_code == 2
     assert "lag.max_lag" in changed.output
     assert {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")} == before, "a refused init wrote something"
-    for operational in ("training.steps=500", "prefect.generators=3", "dask.n_workers=1", "engine.max_batch_size=8"):
+    for operational in ("training.steps=500", "prefect.generators=3", "dask.n_workers=1", "engine.max_batch_size=8",
+                        "training.checkpoint_every=5", "env.eval_prompts=0", "storage.retry_seconds=60",
+                        "storage.keep_last_snapshots=5", "generation.prompts_per_chunk=8"):  # fmt: skip
         again = runner.invoke(app, [*args, "--set", operational])
         assert again.exit_code == 0, f"{operational} changes how the run is run, not what it trains: {again.output}"
     assert json.loads((run_dir / "config.json").read_text()) == recorded, "config.json keeps the first start's values"
+
+
+def test_a_run_is_found_however_its_root_is_spelt_and_its_url_names_it(tmp_path: Path, monkeypatch):
+    """A run started on the relative default root is continued under its absolute one, and a run
+    URL (tandem eval's) names the run it points at, not the root its config.json recorded: from
+    another directory or in a copy, that root is another place."""
+    monkeypatch.chdir(tmp_path)
+    base = ["init", str(CONFIG_DIR / "tiny.yaml"), "--run-id", "r1", "--set", "training.warmup_steps=0"]
+    assert runner.invoke(app, [*base, "--set", "storage.root=file://./runs"]).exit_code == 0
+    again = runner.invoke(app, [*base, "--set", f"storage.root=file://{tmp_path}/runs"])
+    assert again.exit_code == 0, again.output
+    (tmp_path / "moved").mkdir()
+    shutil.copytree(tmp_path / "runs" / "r1", tmp_path / "moved" / "copy")
+    monkeypatch.chdir(tmp_path / "moved")
+    config = load_run_config(f"file://{tmp_path}/moved/copy")
+    assert (config.storage.root, config.run_id) == (f"file://{tmp_path}/moved", "copy")
 
 
 def test_eval_of_a_run_without_held_out_prompts_exits_2_saying_how_to_give_it_some(tmp_path: Path):
