@@ -89,7 +89,7 @@ def describe_validation_error(err: ValidationError) -> str:
             continue
         message = problem["msg"].removeprefix("Value error, ")
         shown = problem.get("input")
-        quoted = isinstance(shown, str) and repr(shown) in message  # a validator's own "got 'x'"
+        quoted = f"got {shown!r}" in message  # a validator's own "got 'x'" (or "got 0")
         got = "" if isinstance(shown, dict) or quoted else f" (got {_short_repr(shown)})"
         lines.append(f"  {where}: {message}{got}")
     return "\n".join(lines)

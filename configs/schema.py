@@ -144,12 +144,14 @@ class GenerationConfig(Section):
 
     engines: int = Field(1, ge=1, le=64)
     """Engine processes started by one generation run (one generator drives them all)."""
-    samples_per_prompt: int = Field(8, ge=1, le=256)
-    """Group size n: samples per prompt, normalised together for the advantage."""
+    samples_per_prompt: int = Field(8, ge=2, le=256)
+    """Group size n: samples per prompt, normalised together for the advantage (at least 2: a
+    sample's advantage is its reward against its group's, so a group of one learns nothing)."""
     prompts_per_chunk: int = Field(16, ge=1, le=4096)
     """Prompt groups in one Prefect task run (episodes inside fan out on Dask)."""
-    temperature: float = Field(1.0, ge=0, le=10)
-    """Sampling temperature; 0 is greedy."""
+    temperature: float = Field(1.0, gt=0, le=10)
+    """Sampling temperature of the training rollouts, above 0: greedy samples of one prompt are
+    alike, so their advantages are all 0 (evaluation decodes greedily by itself)."""
     top_p: float = Field(1.0, gt=0, le=1)
     """Nucleus sampling mass."""
     top_k: TopK = -1

@@ -40,7 +40,7 @@ def watch_run(config: RunConfig, futures: list, poll_seconds: float = 1.0, conso
             version = read_trainer_state(store).version
             trainer = [r for r in read_metrics(store, "trainer") if r["event"] == "train_step"]
             last = trainer[-1] if trainer else {}
-            step_info = f"v{version} reward {last.get('reward_mean', 0):.2f} lag<={last.get('lag_max', 0)}"
+            step_info = f"v{version} reward {last.get('reward_mean', 0):.2f} lag<={last.get('lag_max', 0):.0f}"
             progress.update(train, completed=version, info=step_info)
             generated = sum(r.get("samples", 0) for name in _generator_files(store) for r in read_metrics(store, name) if r["event"] == "group")
             progress.update(episodes, completed=generated, info=f"dropped {last.get('dropped_stale', 0)}")
