@@ -21,6 +21,26 @@ class ConfigError(ValueError):
     """A configuration that cannot be used; the message is meant for the person who wrote it."""
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a key given twice in one mapping: YAML keeps the last one
+    silently, so a section written twice (two `training:` blocks) would lose the first one's
+    settings unseen, the same trap as a misspelt key."""
+
+
+def _construct_unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    seen: set[str] = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if isinstance(key, str):
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"key {key!r} is given twice", key_node.start_mark)
+            seen.add(key)
+    return loader.construct_mapping(node, deep=deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_unique_mapping)
+
+
 def load_config(source: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
     """Read YAML `source` (None: all defaults), apply `section.field=value` overrides, validate."""
     data = read_yaml_mapping(Path(source)) if source is not None else {}
@@ -38,7 +58,7 @@ def read_yaml_mapping(path: Path) -> dict[str, Any]:
     except (OSError, UnicodeDecodeError) as err:
         raise ConfigError(f"{path}: cannot read config file: {err}") from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_UniqueKeyLoader)
     except yaml.YAMLError as err:
         raise ConfigError(f"{path}: not valid YAML: {err}") from None
     if data is None:

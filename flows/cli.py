@@ -151,6 +151,7 @@ def run(
     resolved = resolve_config(config, overrides, run_id)
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     from infra.storage import StorageRejected, StorageUnavailable, open_run_store
+    from tasks.lag import read_trainer_state
     from tasks.lease import RunInUse, check_run_free
     from tasks.rundir import RunConflict, check_recorded_config, check_run_inputs, check_run_writable
 
@@ -166,6 +167,13 @@ def run(
         fail(f"storage.root {resolved.storage.root}: {err}", code=1)
     except RunInUse as err:
         fail(str(err), code=1)
+    trained = read_trainer_state(store).version
+    if trained >= resolved.training.steps:  # a finished run started again: say so, do not start engines
+        console.print(f"run {resolved.run_id} has trained {trained} steps already (training.steps is "
+                      f"{resolved.training.steps}): nothing to train. Its summary: {store.url_of('summary.json')}; "
+                      f"to continue it, raise training.steps (--set training.steps={trained + resolved.training.steps})",
+                      soft_wrap=True)  # fmt: skip
+        return
     if resolved.prefect.mode == "local" or resolved.env.eval_prompts:  # this process starts engines
         require_engine_backend(resolved)
     from flows.pipeline import pipeline  # Prefect, torch and the flows (8 s): after the checks

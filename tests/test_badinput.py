@@ -189,6 +189,8 @@ CLI_CASES = [
     cli("wrong type", init_yaml("lag:\n  max_lag: two\n"),
         "lag.max_lag: Input should be a valid integer, unable to parse string as an integer (got 'two')"),
     cli("section is not a mapping", init_yaml("training: 5\n"), "training: Input should be a valid dictionary"),
+    cli("section given twice", init_yaml("training:\n  steps: 5\nlag:\n  max_lag: 1\ntraining:\n  lr: 0.001\n"),
+        ("not valid YAML", "key 'training' is given twice", "line 5")),
     cli("out of range in the file", init_yaml("generation:\n  temperature: -0.5\n"),
         "generation.temperature: Input should be greater than 0 (got -0.5)"),
     cli("a group of one sample", init_tiny("--set", "generation.samples_per_prompt=1"),

@@ -25,15 +25,17 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
 
+E2E_RUN = [
+    "run_id=e2e", "training.steps=3", "training.warmup_steps=5", "training.prompts_per_step=4",
+    "generation.prompts_per_chunk=2", "env.eval_prompts=8", "training.checkpoint_every=2", "lag.max_lag=1",
+    "dask.n_workers=1", "training.kl_coef=0.05",
+]  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("runs")
-    overrides = [
-        "run_id=e2e", f"storage.root=file://{root}", "training.steps=3", "training.warmup_steps=5",
-        "training.prompts_per_step=4", "generation.prompts_per_chunk=2", "env.eval_prompts=8",
-        "training.checkpoint_every=2", "lag.max_lag=1", "dask.n_workers=1", "training.kl_coef=0.05",
-    ]  # fmt: skip
-    run_pipeline(root, overrides)
+    run_pipeline(root, [*E2E_RUN, f"storage.root=file://{root}"])
     return root / "e2e"
 
 
@@ -117,6 +119,16 @@ def test_a_continued_run_keeps_the_score_its_start_version_has(finished_run: Pat
     assert score_newest_snapshot(config, store) == records(finished_run, "evaluation")[-1]
     assert (finished_run / "metrics" / "evaluation.jsonl").read_bytes() == recorded, "not scored again"
     assert score_newest_snapshot(config.model_copy(update={"env": config.env.model_copy(update={"eval_prompts": 0})}), store) is None
+
+
+def test_a_finished_run_started_again_says_it_has_nothing_to_train(finished_run: Path):
+    trained = (finished_run / "metrics" / "trainer.jsonl").read_bytes()
+    again = subprocess.run(run_command(TINY_CONFIG, [*E2E_RUN, f"storage.root=file://{finished_run.parent}"]),
+                           cwd=ROOT, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "run e2e has trained 3 steps already (training.steps is 3): nothing to train" in again.stdout
+    assert "--set training.steps=6" in again.stdout
+    assert (finished_run / "metrics" / "trainer.jsonl").read_bytes() == trained
 
 
 def test_engines_moved_to_new_weights_mid_run(finished_run: Path):
