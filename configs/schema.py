@@ -392,6 +392,13 @@ class RunConfig(Section):
             )
         return self
 
+    @field_validator("run_id", mode="before")
+    @classmethod
+    def _digits_are_a_name(cls, run_id: Any) -> Any:
+        """`run_id: 2024` in YAML (or `--set run_id=2024`) is a number to the parser, a name here,
+        as `--run-id 2024` is."""
+        return str(run_id) if isinstance(run_id, int) and not isinstance(run_id, bool) else run_id
+
     @field_validator("run_id")
     @classmethod
     def _safe_run_id(cls, run_id: str) -> str:

@@ -247,3 +247,8 @@ def test_initialize_run_refuses_what_does_not_load_before_writing_anything(tmp_p
             raise caught.value
 
     assert not _worth_retrying(None, None, FailedState()), "the pipeline reads the same error on a retry"
+
+
+def test_a_run_id_of_digits_is_a_name_in_yaml_as_on_the_command_line():
+    assert load_config(CONFIG_DIR / "tiny.yaml", ["run_id=2024"]).run_id == "2024"
+    assert RunConfig.model_validate({"run_id": 7}).run_id == "7"
