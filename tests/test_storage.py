@@ -235,7 +235,7 @@ def test_outage_longer_than_retry_budget_fails_clearly_without_leaking_credentia
     started = time.monotonic()
     with pytest.raises(StorageUnavailable) as caught:
         store.read_bytes("x")
-    assert time.monotonic() - started < 15
+    assert time.monotonic() - started < 2.0 + 3, "the retry budget (2 s) bounds the wait, not the libraries' own retries"
     message = str(caught.value)
     assert store.url in message
     assert "AKIALEAKCHECK" not in message and "leak-check-secret" not in message
