@@ -168,7 +168,7 @@ def run(
     except RunInUse as err:
         fail(str(err), code=1)
     trained = read_trainer_state(store).version
-    if trained >= resolved.training.steps:  # a finished run started again: say so, do not start engines
+    if trained >= resolved.training.steps and store.exists("summary.json"):  # finished: say so, start nothing
         console.print(f"run {resolved.run_id} has trained {trained} steps already (training.steps is "
                       f"{resolved.training.steps}): nothing to train. Its summary: {store.url_of('summary.json')}; "
                       f"to continue it, raise training.steps (--set training.steps={trained + resolved.training.steps})",
