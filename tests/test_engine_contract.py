@@ -189,14 +189,14 @@ def test_a_paused_engine_answers_health_only_once_continued(http):
         assert probe.result(timeout=30).status_code == 200
 
 
-def wait_until_queued(http: httpx.Client, engine: ServedEngine) -> None:
-    """Return once a request sent to the paused engine waits in its queue (SGLang reports no
-    queue length: there, a moment's wait)."""
+def wait_until_queued(http: httpx.Client, engine: ServedEngine, count: int = 1) -> None:
+    """Return once `count` requests sent to the paused engine wait in its queue (SGLang reports
+    no queue length: there, a moment's wait)."""
     if engine.backend == "sglang":
         time.sleep(0.5)
         return
     deadline = time.monotonic() + 30
-    while not http.get("/server_info").json()["num_waiting"]:
+    while http.get("/server_info").json()["num_waiting"] < count:
         assert time.monotonic() < deadline, "the request never reached the engine"
         time.sleep(0.02)
 
@@ -310,12 +310,16 @@ def test_requests_retracted_across_a_weight_load_go_on_with_the_new_weights(http
     assert http.post("/update_weights_from_disk", json={"model_path": str(models["initial"]), "weight_version": "4"}).json()["success"]
     new_tokens = context_length(models["initial"]) - len(PROMPT) - 1
     generated_before = http.get("/server_info").json().get("tokens_generated", 0)
-    with ThreadPoolExecutor(16) as pool:
+    assert http.post("/pause_generation", json={"mode": "in_place"}).status_code == 200  # all 16 start together:
+    with ThreadPoolExecutor(16) as pool:  # none may be half done, on a loaded machine, when the last arrives
         pending = [pool.submit(generate, http, max_new_tokens=new_tokens, ignore_eos=True, temperature=1.0) for _ in range(16)]
+        wait_until_queued(http, engine, count=16)
+        assert http.post("/continue_generation", json={}).status_code == 200
         if engine.backend == "sglang":  # reports no token count: its 16 prefills take milliseconds
             time.sleep(0.05)
         deadline = time.monotonic() + 30
-        while engine.backend != "sglang" and http.get("/server_info").json()["tokens_generated"] < generated_before + 32 and time.monotonic() < deadline:
+        while engine.backend != "sglang" and http.get("/server_info").json()["tokens_generated"] < generated_before + 16:
+            assert time.monotonic() < deadline, "the requests never ran"
             time.sleep(0.005)
         assert http.post("/pause_generation", json={"mode": "retract"}).status_code == 200
         try:
