@@ -282,11 +282,11 @@ class Generator:
         state = read_trainer_state(self.store)
         if state.done:
             return []
-        lag, per_step = self.config.lag.max_lag, self.config.training.prompts_per_step
-        capacity = admission_capacity(state.version, lag, per_step, state.lost_groups)
+        lag, per_step, lost = self.config.lag.max_lag, self.config.training.prompts_per_step, state.lost_groups
+        capacity = admission_capacity(state.version, lag, per_step, lost)
         most = min(most, claim_share(lag, per_step, producers) - held)
         specs = [self.spec(self.orphans.pop(0)) for _ in range(min(most, len(self.orphans)))]
-        while new_claims and len(specs) < most and required_version(self.claims.next_slot, lag, per_step) <= self.loaded_version:
+        while new_claims and len(specs) < most and required_version(self.claims.next_slot, lag, per_step, lost) <= self.loaded_version:
             slot = self.claims.claim(capacity)
             if slot is None:
                 break

@@ -47,9 +47,14 @@ def admission_capacity(trainer_version: int, max_lag: int, groups_per_step: int,
     return (trainer_version + max_lag + 1) * groups_per_step + lost_groups
 
 
-def required_version(slot: int, max_lag: int, groups_per_step: int) -> int:
-    """The oldest policy version a generator may use for `slot` (the capacity rule, inverted)."""
-    return max(0, slot // groups_per_step - max_lag)
+def required_version(slot: int, max_lag: int, groups_per_step: int, lost_groups: int = 0) -> int:
+    """The oldest policy version a generator may use for `slot` (the capacity rule, inverted).
+
+    A lost group's slot never reaches the trainer, so every later slot lands in a batch one group
+    earlier: counting without the losses, the capacity they give back would need weights the
+    trainer can only publish after a batch that those slots must fill, and a run that had lost
+    more than max_lag batches' worth of groups (one, at max_lag 0) would wait for good."""
+    return max(0, (slot - lost_groups) // groups_per_step - max_lag)
 
 
 def lag_of(trainer_version: int, policy_version: int) -> int:
