@@ -89,7 +89,7 @@ def bare_loop(overrides: list[str], work: Path) -> dict:
         rewards = [e.reward for e in await asyncio.gather(*runs)]
         return sum(rewards) / len(rewards), sum(r >= 1.0 for r in rewards) / len(rewards)
 
-    trainer, rewards = Trainer(load_model(work / "v0"), config.training), []
+    trainer, rewards = Trainer(load_model(work / "v0"), config.training, sampling_temperature=gen.temperature), []
     before, _ = asyncio.run(score())
     started = time.monotonic()
     for slot in range(config.training.steps):

@@ -82,13 +82,15 @@ class Learner:
         self.cache_dir = cache_dir
         self.metrics = metrics
         self.ref_model = ref_model
-        self.trainer = Trainer(model, config.training, ref_model=ref_model)
+        self.trainer = Trainer(model, config.training, ref_model=ref_model, sampling_temperature=config.generation.temperature)
         self.ledger = Ledger()
         self.window_floor = 0
         self.idle_seconds = 0.0
         self.busy_seconds = 0.0
         self.wait_seconds = 0.0
         """How long the last admit_batch took: the idle interval before the step."""
+        self._unfinished: tuple[set[str], dict] | None = None
+        """The shards and figures of a step applied whose publish or checkpoint has not succeeded."""
         self.poll_seconds = 0.0
         """The part of it spent sleeping between looks, with no batch ready (the rest is
         listing, reading and validating shards: bookkeeping)."""
@@ -102,7 +104,8 @@ class Learner:
         step = latest_checkpoint_step(self.store)
         if step is None:
             return None
-        self.trainer = Trainer(self.trainer.model, self.config.training, version=step, ref_model=self.ref_model)
+        self.trainer = Trainer(self.trainer.model, self.config.training, version=step, ref_model=self.ref_model,
+                               sampling_temperature=self.config.generation.temperature)  # fmt: skip
         state = load_checkpoint(self.store, self.trainer.model, self.trainer.optimizer, self.cache_dir / "checkpoints", step)
         self.ledger = Ledger.from_json(state.extra["ledger"])
         self.window_floor = max(0, step - self.config.lag.max_lag)
@@ -144,8 +147,38 @@ class Learner:
         return chosen
 
     def train_step(self, shards: dict[str, pa.Table]) -> dict:
-        """One RL step on `shards`; then publish, share the trainer state, checkpoint."""
+        """One RL step on `shards`; then publish, share the trainer state, checkpoint.
+
+        Called again with the same shards after its publish or checkpoint failed (the training
+        flow retries the task once after a storage outage longer than storage.retry_seconds), it
+        finishes the step it applied instead of stepping again: a second optimizer step on one
+        batch would count its groups twice and could train a last-chance group past max_lag."""
         started = time.monotonic()
+        if self._unfinished is None or self._unfinished[0] != set(shards):
+            self._unfinished = (set(shards), self._apply_step(shards, started))
+        step = self._unfinished[1]
+        published = time.monotonic()
+        self._publish()
+        publish_seconds = time.monotonic() - published
+        step_seconds = time.monotonic() - step["started"]
+        self.busy_seconds += time.monotonic() - started
+        record = step["metrics"] | {
+            "version": self.version, "tokens_per_second": step["metrics"]["tokens"] / step_seconds,
+            "busy_seconds": self.busy_seconds, "idle_seconds": self.idle_seconds, "step_seconds": step_seconds,
+            "wait_seconds": self.wait_seconds, "poll_seconds": self.poll_seconds, "compute_seconds": step["compute_seconds"],
+            "publish_seconds": publish_seconds, **self.ledger.counts,
+        }  # fmt: skip
+        logged = self.metrics.log("train_step", **record)
+        if self.version % self.config.training.checkpoint_every == 0:
+            # Metrics first: a trainer resumed from this checkpoint must find every step's record
+            # up to it, and metrics otherwise reach storage only every few seconds.
+            self.metrics.flush()
+            self._checkpoint()
+        self._unfinished = None
+        return logged
+
+    def _apply_step(self, shards: dict[str, pa.Table], started: float) -> dict:
+        """The optimizer step on `shards` and their entries in the ledger: V becomes V+1."""
         table = pa.concat_tables(shards.values())
         rollouts = table_to_rollouts(table)
         rewards = torch.tensor([r.reward for r in rollouts], dtype=torch.float32)
@@ -163,26 +196,11 @@ class Learner:
             lag = lag_of(trained_at, parse_shard_key(key).version)
             self.ledger.lags.append(lag)
             lags[lag] += shard.num_rows
-        published = time.monotonic()
-        self._publish()
-        publish_seconds = time.monotonic() - published
-        step_seconds = time.monotonic() - started
-        self.busy_seconds += step_seconds
-        record = step_metrics | {
-            "version": self.version, "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std(unbiased=False)),
-            "samples": len(rollouts), "lag_histogram": {str(k): lags[k] for k in sorted(lags)},
-            "tokens_per_second": step_metrics["tokens"] / step_seconds, "busy_seconds": self.busy_seconds,
-            "idle_seconds": self.idle_seconds, "step_seconds": step_seconds, "wait_seconds": self.wait_seconds,
-            "poll_seconds": self.poll_seconds, "compute_seconds": compute_seconds, "publish_seconds": publish_seconds,
-            **self.ledger.counts,
+        metrics = step_metrics | {
+            "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std(unbiased=False)), "samples": len(rollouts),
+            "lag_histogram": {str(k): lags[k] for k in sorted(lags)},
         }  # fmt: skip
-        logged = self.metrics.log("train_step", **record)
-        if self.version % self.config.training.checkpoint_every == 0:
-            # Metrics first: a trainer resumed from this checkpoint must find every step's record
-            # up to it, and metrics otherwise reach storage only every few seconds.
-            self.metrics.flush()
-            self._checkpoint()
-        return logged
+        return {"metrics": metrics, "compute_seconds": compute_seconds, "started": started}
 
     def finish(self) -> None:
         """Final checkpoint, the ledger for the run's accounting, and the trainer state marked

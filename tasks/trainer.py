@@ -6,11 +6,17 @@ the supervised warm-start that precedes RL. Plain torch, no Prefect, no DDP.
   prompt length) is scored by the logit at P+i-1: its loss_mask and behaviour logprob go there,
   in `targets`' frame. Prompt tokens are never in the loss, the last real position predicts
   nothing, and padding predicts nothing either.
-- `Trainer.rl_step`: forward with the attention mask, `policy_loss` of tasks/loss.py with the
+- `Trainer.rl_step`: forward with the attention mask, logits divided by the sampling temperature
+  (generation.temperature), `policy_loss` of tasks/loss.py with the
   TrainingConfig's clip_eps, is_cap, importance_correction, kl_coef and entropy_coef, backward,
   gradient-norm clipping, one AdamW step. The reported grad_norm is the norm BEFORE clipping (what
   the loss asked for); a non-finite one raises and leaves the weights untouched, since a NaN step
   would be published to every generator.
+- Temperature: the policy that acts is softmax(logits / T), so that is the one trained: its
+  logprobs are the ratio's numerator and the gradient is that of the distribution the samples
+  came from (as verl and slime do). The engines report behaviour logprobs of the same
+  distribution (SGLang's default, and tandem's engines). Top-k and top-p truncation are not
+  modelled, on either side.
 - Version: `Trainer.version` is the policy version V of docs/architecture.md, the number of RL optimizer
   steps applied. The warm-start does not count: it runs before v0 is published, so v0 IS the
   warm-started model and every rl_step makes V+1. A sample of version v trained in the step
@@ -133,10 +139,15 @@ class Trainer:
         ref_model: PreTrainedModel | None = None,
         *,
         version: int = 0,
+        sampling_temperature: float = 1.0,
     ):
+        """`sampling_temperature`: the generators' temperature (generation.temperature)."""
         if cfg.kl_coef > 0 and ref_model is None:
             raise ValueError("kl_coef > 0 needs a ref_model to measure the KL against")
+        if sampling_temperature <= 0:
+            raise ValueError(f"an RL policy samples at a temperature > 0, got {sampling_temperature}")
         self.model, self.cfg, self.ref_model = model, cfg, ref_model
+        self.sampling_temperature = sampling_temperature
         if ref_model is not None:
             ref_model.eval().requires_grad_(False)
         self.optimizer = torch.optim.AdamW(
@@ -183,14 +194,14 @@ class Trainer:
         inputs = {
             "input_ids": batch.input_ids, "attention_mask": batch.attention_mask, "use_cache": False
         }
-        logits = self.model(**inputs).logits
+        logits = self.model(**inputs).logits / self.sampling_temperature
         logprobs = token_logprobs(logits, batch.targets)
         with torch.set_grad_enabled(self.cfg.entropy_coef > 0):
             entropy = token_entropy(logits)
         ref_logprobs = None
         if self.ref_model is not None:
             with torch.no_grad():
-                ref_logprobs = token_logprobs(self.ref_model(**inputs).logits, batch.targets)
+                ref_logprobs = token_logprobs(self.ref_model(**inputs).logits / self.sampling_temperature, batch.targets)
         loss, metrics = policy_loss(
             logprobs,
             batch.behavior_logprobs,

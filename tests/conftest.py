@@ -89,14 +89,15 @@ def corrupt_copy(model_dir: Path, out_dir: Path) -> Path:
     return out_dir
 
 
-def reference_logprobs(model_dir: Path, prompt: list[int], output: list[int]) -> list[float]:
-    """Logprob of each output token under a plain full-sequence forward pass of the model."""
+def reference_logprobs(model_dir: Path, prompt: list[int], output: list[int], temperature: float = 1.0) -> list[float]:
+    """Logprob of each output token under a plain full-sequence forward pass of the model, of the
+    distribution softmax(logits / temperature)."""
     import torch
 
     from infra.modelfactory import load_model
 
     model = load_model(model_dir).eval()
     with torch.no_grad():
-        logits = model(torch.tensor([prompt + output])).logits[0].float()
+        logits = model(torch.tensor([prompt + output])).logits[0].float() / temperature
     logprobs = torch.log_softmax(logits, dim=-1)
     return [float(logprobs[len(prompt) - 1 + i, token]) for i, token in enumerate(output)]

@@ -85,8 +85,8 @@ def generate(http: httpx.Client, input_ids=PROMPT, **sampling) -> list[dict]:
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_logprobs_match_a_reference_forward_pass(http, engine, models, temperature):
-    """Behaviour logprobs are those of the raw distribution at any temperature: what the trainer
-    computes (SGLang reports them so with SGLANG_RETURN_ORIGINAL_LOGPROB, which its launcher sets)."""
+    """Behaviour logprobs are those of the distribution sampled from, softmax(logits / T): what
+    the trainer computes (SGLang's default, which its launcher pins)."""
     if engine.backend == "sim":
         pytest.skip("the simulated engine computes no logprobs: it emits log(1/V)")
     current = http.get("/model_info").json()["model_path"]
@@ -94,7 +94,7 @@ def test_logprobs_match_a_reference_forward_pass(http, engine, models, temperatu
         output = sample["output_ids"]
         served = [entry[0] for entry in sample["meta_info"]["output_token_logprobs"]]
         assert [entry[1] for entry in sample["meta_info"]["output_token_logprobs"]] == output
-        assert served == pytest.approx(reference_logprobs(Path(current), PROMPT, output), abs=1e-4)
+        assert served == pytest.approx(reference_logprobs(Path(current), PROMPT, output, temperature), abs=1e-4)
         assert sample["meta_info"]["completion_tokens"] == len(output) == 24
         assert sample["meta_info"]["prompt_tokens"] == len(PROMPT)
         assert sample["meta_info"]["finish_reason"]["type"] == "length"

@@ -76,3 +76,34 @@ def test_an_original_whose_copy_was_trained_leaves_the_window_as_a_duplicate_not
     learner.admit_batch(poll_seconds=0.01)
     assert learner.ledger.disposed[copy] == "trained" and learner.ledger.disposed[original] == "duplicate"
     assert learner.ledger.counts["dropped_stale"] == 0 and learner.ledger.lost_groups == 0, "no replacement is owed"
+
+
+def test_a_step_retried_after_its_publish_failed_is_not_applied_twice(tmp_path: Path, monkeypatch):
+    """The training flow retries `train_step` once when storage stays down past its budget. The
+    optimizer step and the ledger come before the publish: the retry finishes that step (one
+    version, each group counted once) instead of stepping again on the same batch."""
+    learner = make_learner(tmp_path)
+    for slot in range(2):
+        write_group(learner, f"s{slot:08d}", seq=slot)
+    shards = learner.admit_batch(poll_seconds=0.01)
+    publish, attempts = learner._publish, []
+
+    def publish_failing_once() -> None:
+        attempts.append(learner.version)
+        if len(attempts) == 1:
+            raise OSError("storage unavailable")
+        publish()
+
+    monkeypatch.setattr(learner, "_publish", publish_failing_once)
+    weights = {name: p.detach().clone() for name, p in learner.trainer.model.named_parameters()}
+    try:
+        learner.train_step(shards)
+    except OSError:
+        pass
+    after_first = {name: p.detach().clone() for name, p in learner.trainer.model.named_parameters()}
+    assert any(not (after_first[n] == weights[n]).all() for n in weights), "the first attempt stepped"
+    record = learner.train_step(shards)
+    assert attempts == [1, 1] and learner.version == 1 and record["version"] == 1
+    assert all((p.detach() == after_first[n]).all() for n, p in learner.trainer.model.named_parameters()), "no second step"
+    assert learner.ledger.trained_groups == ["s00000000", "s00000001"] and learner.ledger.counts["trained"] == 8
+    assert learner.store.exists("weights/v00000001/MANIFEST.json")

@@ -85,14 +85,15 @@ def test_every_launcher_flag_is_a_real_sglang_flag(with_key: bool, config_file: 
     assert ("--config" in flags) == (with_key and config_file is not None)
 
 
-def test_each_engine_of_a_fleet_gets_its_own_gpus_and_seed_and_reports_raw_logprobs(tmp_path: Path):
+def test_each_engine_of_a_fleet_gets_its_own_gpus_and_seed_and_reports_sampled_logprobs(tmp_path: Path):
     """Engine i of a fleet starts on GPUs i x tp_size onwards (every one on GPU 0 would each try
     to take mem_fraction_static of it), with a seed of its own; every one reports the logprobs of
-    the raw distribution, as the trainer computes them."""
+    the temperature-scaled distribution it samples from, as the trainer computes them, whatever
+    the user's environment sets."""
     processes = [launcher.sglang_engine_process(engine_config(), "/m", 30000 + i, tmp_path / f"{i}.log", seed=7, index=i) for i in range(3)]
     values = [dict(zip(p.command, p.command[1:])) for p in processes]
     assert [(v["--base-gpu-id"], v["--random-seed"]) for v in values] == [("0", "7"), ("2", "8"), ("4", "9")]
-    assert all(p.env == {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"} for p in processes)
+    assert all(p.env == {"SGLANG_RETURN_ORIGINAL_LOGPROB": "0"} for p in processes), "temperature-scaled logprobs, as trained"
 
 
 def test_optional_flags_are_left_out_when_unset():

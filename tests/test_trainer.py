@@ -217,3 +217,24 @@ def test_a_non_finite_gradient_raises_and_leaves_the_weights_and_version_alone()
     assert trainer.version == 0
     assert all(torch.equal(p, s) for p, s in zip(model.parameters(), start))
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_the_trainer_scores_the_distribution_the_engines_sampled_from():
+    """At temperature 0.7 the engines sample from, and report logprobs of, softmax(logits / 0.7).
+    A trainer told that temperature finds the on-policy ratio 1 on every token; scoring the raw
+    distribution instead (the T = 1 one) puts the ratio off on every token."""
+    rows = [rollout([1, 5, 6], [7, 8, 4, 9], [1, 1, 0, 1], [0.0] * 4), rollout([1, 5, 6], [9, 10, 4, 11], [1, 1, 0, 1], [0.0] * 4)]
+    model = tiny_model()
+    batch = build_batch(rows, [1.0, -1.0])
+    with torch.no_grad():
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    behaviour = token_logprobs(logits / 0.7, batch.targets) * batch.loss_mask
+    ratios = {}
+    for temperature in (0.7, 1.0):
+        sampled = build_batch(rows, [1.0, -1.0])
+        sampled.behavior_logprobs = behaviour
+        ratios[temperature] = Trainer(copy.deepcopy(model), TrainingConfig(), sampling_temperature=temperature).rl_step(sampled)
+    assert ratios[0.7]["ratio_mean"] == pytest.approx(1.0, abs=1e-5) and ratios[0.7]["ratio_max"] == pytest.approx(1.0, abs=1e-5)
+    assert abs(ratios[1.0]["ratio_mean"] - 1.0) > 1e-3
+    with pytest.raises(ValueError, match="temperature > 0"):
+        Trainer(model, TrainingConfig(), sampling_temperature=0.0)

@@ -12,8 +12,9 @@ and concatenated to the running batch), runs one decode forward for the whole ba
 drops finished rows (`batch_select_indices`) and any leading columns that became all padding. A
 request that arrives while 31 others decode joins the next step instead of waiting for them.
 
-Logprobs are those of the raw model distribution (temperature 1, no top-k/top-p filtering) at
-the sampled token, as SGLang returns by default: exactly what the trainer recomputes.
+Logprobs are those of the distribution the request samples from before top-k/top-p filtering,
+softmax(logits / temperature) (the raw one for greedy requests), at the sampled token: what
+SGLang returns by default and what the trainer recomputes.
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from infra.engines.api import SamplingParams
 from infra.engines.scheduler import GenerationJob, Sample, ScheduledEngine
 from infra.manifest import ManifestError, verify_local_dir
+
+GREEDY_TEMPERATURE = 1e-5
+"""A temperature at or below this samples greedily, and its logprobs are the raw distribution's."""
 
 
 class RunningBatch:
@@ -283,7 +287,9 @@ class CpuEngine(ScheduledEngine):
         return out.logits[:, -1, :].float()
 
     def _sample_and_record(self, batch: RunningBatch, logits: torch.Tensor) -> None:
-        logprobs = torch.log_softmax(logits, dim=-1)
+        temperatures = torch.tensor([s.job.params.temperature for s in batch.samples], dtype=logits.dtype)
+        scale = torch.where(temperatures <= GREEDY_TEMPERATURE, 1.0, temperatures)
+        logprobs = torch.log_softmax(logits / scale[:, None], dim=-1)
         tokens = sample_tokens(logits, [s.job.params for s in batch.samples], [s.generator for s in batch.samples])
         chosen = logprobs.gather(1, tokens[:, None])[:, 0].tolist()
         for sample, token, logprob in zip(batch.samples, tokens.tolist(), chosen, strict=True):
@@ -335,8 +341,8 @@ def sample_tokens(
     ):  # plain sampling, the common case in RL rollouts: the general path below, minus its no-ops
         return torch.multinomial(torch.softmax(logits, dim=-1), 1)[:, 0]
     temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype)
-    greedy = temperature <= 1e-5
-    scaled = logits / temperature.clamp(min=1e-5)[:, None]
+    greedy = temperature <= GREEDY_TEMPERATURE
+    scaled = logits / temperature.clamp(min=GREEDY_TEMPERATURE)[:, None]
     top_k = [p.top_k if p.top_k > 0 else vocab for p in params]
     top_p = [p.top_p for p in params]
     if all(k >= vocab for k in top_k) and all(p >= 1.0 for p in top_p):

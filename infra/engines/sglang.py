@@ -27,10 +27,12 @@ from infra.engines.process import EngineProcess, EngineStartError
 
 log = logging.getLogger(__name__)
 MASK = "***"
-SGLANG_ENV = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}
-"""Set for every SGLang server: behaviour logprobs of the raw distribution, as tandem's CPU engine
-reports them and the trainer computes them. By default SGLang reports log softmax(logits / T),
-which at a temperature other than 1 skews every token's importance ratio."""
+SGLANG_ENV = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "0"}
+"""Pinned for every SGLang server, whatever the user's environment says: behaviour logprobs of the
+distribution the engine samples from, log softmax(logits / T) (SGLang's default), which is what
+the trainer computes (tasks/trainer.py divides its logits by generation.temperature). With the
+variable set, SGLang reports the T = 1 distribution's, and at any other temperature every token's
+importance ratio would be off."""
 INSTALL_HINT = "pip install 'tandem[sglang]'"
 
 
