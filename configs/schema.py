@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, SecretStr, ValidationInfo, field_validator, model_validator
 
 RUN_ID_FORM = r"[A-Za-z0-9](?:\.?[A-Za-z0-9_-])*\.?"
 """Letters, digits, '.', '_' and '-', starting with a letter or digit, no '..' (a run id is a path
@@ -58,6 +58,10 @@ TopK = Annotated[int, Field(ge=-1, json_schema_extra={"not": {"const": 0}}), Aft
 API's; the JSON-schema twin lets Prefect refuse 0 at submission)."""
 
 
+NUMBER_TYPES = (int, float, int | None, float | None)
+"""Field types that take no boolean (`Section._no_boolean_for_a_number`)."""
+
+
 def is_run_id(text: str) -> bool:
     return len(text) <= 64 and re.fullmatch(RUN_ID_FORM, text) is not None
 
@@ -66,6 +70,15 @@ class Section(BaseModel):
     """Base of every config section: unknown keys are errors, docstrings become descriptions."""
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_boolean_for_a_number(cls, value: Any, info: ValidationInfo) -> Any:
+        """Refuse `true`/`false` where a number goes: pydantic's lax mode reads them as 1 and 0,
+        so `--set training.steps=true` (a value meant for another field) would train one step."""
+        if isinstance(value, bool) and cls.model_fields[info.field_name].annotation in NUMBER_TYPES:
+            raise ValueError("a number is needed here, not a boolean")
+        return value
 
 
 class ModelConfig(Section):
@@ -151,7 +164,8 @@ class GenerationConfig(Section):
     """Prompt groups in one Prefect task run (episodes inside fan out on Dask)."""
     temperature: float = Field(1.0, gt=0, le=10)
     """Sampling temperature of the training rollouts, above 0: greedy samples of one prompt are
-    alike, so their advantages are all 0 (evaluation decodes greedily by itself)."""
+    alike, so their advantages are all 0 (evaluation decodes greedily by itself). The trainer
+    scores the same softmax(logits / temperature)."""
     top_p: float = Field(1.0, gt=0, le=1)
     """Nucleus sampling mass."""
     top_k: TopK = -1

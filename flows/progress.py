@@ -1,6 +1,10 @@
 """Console output of a pipeline: progress bars while it runs (train steps, episodes, policy
 version, lag), and the summary table at the end.
 
+The episodes bar counts episodes trained, against the steps' total: generation runs ahead of the
+trainer by up to max_lag batches and makes some that are dropped, so episodes generated pass that
+total in every async run, and the bar shows them beside it instead.
+
 It reads what the components publish in the run directory (the trainer state and the metrics
 files), the same things any observer of the run could read, so it works unchanged whether the
 children run in this process or on other machines.
@@ -43,10 +47,11 @@ def watch_run(config: RunConfig, futures: list, poll_seconds: float = 1.0, conso
             step_info = f"v{version} reward {last.get('reward_mean', 0):.2f} lag<={last.get('lag_max', 0):.0f}"
             progress.update(train, completed=version, info=step_info)
             generated = sum(r.get("samples", 0) for name in _generator_files(store) for r in read_metrics(store, name) if r["event"] == "group")
-            progress.update(episodes, completed=generated, info=f"dropped {last.get('dropped_stale', 0)}")
+            episode_info = f"generated {generated}, dropped {last.get('dropped_stale', 0)}"
+            progress.update(episodes, completed=last.get("trained", 0), info=episode_info)
             if not console.is_terminal and version // every > reported:
                 reported = version // every
-                console.print(f"train step {version}/{steps}: {step_info}, episodes {generated}, dropped {last.get('dropped_stale', 0)}")
+                console.print(f"train step {version}/{steps}: {step_info}, episodes trained {last.get('trained', 0)}, {episode_info}")
             if finished:
                 return
             time.sleep(poll_seconds)

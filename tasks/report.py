@@ -92,7 +92,9 @@ def train_steps(store: RunStore) -> list[dict]:
 
 def write_summary(store: RunStore, eval_before: dict | None, eval_after: dict | None) -> dict:
     """summary.json and the plots; returns the summary. The held-out figures are None for a run
-    without evaluation (`env.eval_prompts: 0`)."""
+    without evaluation (`env.eval_prompts: 0`). Each figure says which versions it covers: for a
+    continued run the evaluations score the continuation (its start and end), while the batch
+    rewards span every step the run has trained."""
     steps = train_steps(store)
     head, tail = steps[: max(1, len(steps) // 10)], steps[-max(1, len(steps) // 10):]
     last = steps[-1] if steps else {}
@@ -101,10 +103,12 @@ def write_summary(store: RunStore, eval_before: dict | None, eval_after: dict | 
         "steps": len(steps),
         "reward_start": _mean(r["reward_mean"] for r in head),
         "reward_end": _mean(r["reward_mean"] for r in tail),
+        "reward_versions": [_span(head), _span(tail)],
         "eval_before": None if eval_before is None else eval_before["score"],
         "eval_after": None if eval_after is None else eval_after["score"],
         "solved_before": None if eval_before is None else eval_before["solved"],
         "solved_after": None if eval_after is None else eval_after["solved"],
+        "eval_versions": None if eval_before is None else [eval_before.get("version"), eval_after.get("version")],
         "trainer_idle_fraction": idle / (busy + idle) if busy + idle else 0.0,
         **accounting(store),
     }
@@ -121,12 +125,16 @@ def summary_rows(summary: dict) -> list[tuple[str, str]]:
     if summary["eval_before"] is None:
         score = solved = "not evaluated (env.eval_prompts is 0)"
     else:
-        score = f"{summary['eval_before']:.3f} -> {summary['eval_after']:.3f}"
+        versions = " -> ".join(f"v{v}" for v in summary.get("eval_versions") or [] if v is not None)
+        score = f"{summary['eval_before']:.3f} -> {summary['eval_after']:.3f}" + (f" ({versions})" if versions else "")
         solved = f"{summary['solved_before']:.1%} -> {summary['solved_after']:.1%}"
+    reward = f"{summary['reward_start']:.3f} -> {summary['reward_end']:.3f}"
+    if spans := [span for span in summary.get("reward_versions") or [] if span]:
+        reward += " (" + " / ".join(f"v{a}-v{b}" if a != b else f"v{a}" for a, b in spans) + ")"
     return [
         ("held-out eval score", score),
         ("held-out solved", solved),
-        ("batch reward (first / last 10% of steps)", f"{summary['reward_start']:.3f} -> {summary['reward_end']:.3f}"),
+        ("batch reward (first / last 10% of steps)", reward),
         ("train steps", str(summary["steps"])),
         ("trainer idle fraction", f"{summary['trainer_idle_fraction']:.2f}"),
         ("samples", f"{summary['generated']} generated = {identity}: {'holds' if summary['identity_holds'] else 'BROKEN'}"),
@@ -176,6 +184,11 @@ def _save(store: RunStore, figure, key: str) -> None:
     figure.savefig(buffer, format="png", dpi=110, bbox_inches="tight")
     plt.close(figure)
     store.write_atomic(key, buffer.getvalue())
+
+
+def _span(steps: list[dict]) -> list[int] | None:
+    """The first and last version of a run of step records (a step record is the version it made)."""
+    return [steps[0]["version"], steps[-1]["version"]] if steps else None
 
 
 def _mean(values) -> float:

@@ -85,5 +85,19 @@ def test_a_run_without_evaluation_says_so_in_its_summary(tmp_path):
     assert rows["samples"].endswith(": holds") and rows["train steps"] == "1"
 
 
+def test_a_continued_runs_summary_says_which_versions_each_figure_covers(tmp_path):
+    """A run continued from v10 to v20: its evaluations score the continuation, its batch rewards
+    span every step trained since v1; the table must not set the two side by side unlabelled."""
+    store = open_run_store(StorageConfig(root=f"file://{tmp_path}"), "run")
+    trainer = MetricsLog(store, "trainer", flush_seconds=0)
+    for version in range(1, 21):
+        trainer.log("train_step", **{k: v for k, v in step_record(version, 0.01 * version, 0).items() if k != "time"})
+    summary = write_summary(store, {"score": 0.4, "solved": 0.1, "version": 10}, {"score": 0.5, "solved": 0.2, "version": 20})
+    assert summary["eval_versions"] == [10, 20] and summary["reward_versions"] == [[1, 2], [19, 20]]
+    rows = dict(summary_rows(summary))
+    assert rows["held-out eval score"] == "0.400 -> 0.500 (v10 -> v20)"
+    assert rows["batch reward (first / last 10% of steps)"] == "0.015 -> 0.195 (v1-v2 / v19-v20)"
+
+
 def test_busy_intervals_are_merged_where_they_overlap():
     assert _union([(5, 6), (0, 2), (1, 3), (3, 4)]) == [(0, 4), (5, 6)]
