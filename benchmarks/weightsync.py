@@ -14,15 +14,23 @@ SeaweedFS server this script starts on loopback, two ways of moving the same sna
   into a local directory: moving the bytes and nothing else (no serialising, hashing or loading).
 
 ratio = tandem seconds / raw seconds; the last line is `worst_sync_ratio_vs_raw: X`, the largest
-ratio of all rows (target <= 1.5). Each is the median of a few repeats, taking turns, and each
-repeat starts with the page cache written back (os.sync): on this machine's disk the writeback of
-one 453 MB repeat otherwise landed in the next one's time, and the raw copy of the same bytes
-ranged from 1.3 s to 6.7 s between invocations.
+ratio of all rows (target <= 1.5). Each is the median of repeats (15 for the tiny model, whose
+milliseconds one stray writeback moves; 5 for the 100M one), taking turns, and each repeat starts
+with the page cache written back (os.sync): on this machine's disk the writeback of one 453 MB
+repeat otherwise landed in the next one's time, and the raw copy of the same bytes ranged from
+1.3 s to 6.7 s between invocations.
+
+Beside them, what no sync through storage to engines that speak SGLang's API can avoid, before a
+byte moves: serialising the weights (`save_pretrained` of the model into a scratch directory) and
+the engine contract's three calls to every engine, engines side by side (pause, a call in place of
+the load: /model_info, continue). Where that alone exceeds 1.5x the raw copy, the row's target is
+out of reach of any implementation, and the table says so.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import shutil
@@ -32,6 +40,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import httpx
 from rich.console import Console
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,6 +54,8 @@ from infra.storage import open_run_store  # noqa: E402
 from tasks.snapshots import load_snapshot, publish_snapshot  # noqa: E402
 
 console = Console(stderr=True)
+TARGET = 1.5
+"""The issue's target: a sync within this many times the raw copy."""
 MODELS = {
     "tiny": ModelConfig(),
     "100M": ModelConfig(hidden_size=768, num_layers=12, num_heads=12, intermediate_size=3072),
@@ -78,6 +89,32 @@ def raw_copy(store, files: list[Path], repeat: int, scratch: Path) -> float:
     return time.monotonic() - started
 
 
+def serialise_seconds(model, scratch: Path, repeat: int) -> float:
+    target = scratch / f"serialised{repeat}"
+    os.sync()
+    started = time.monotonic()
+    model.save_pretrained(target)
+    return time.monotonic() - started
+
+
+def engine_call_seconds(urls: list[str]) -> float:
+    """The contract's pause -> load -> continue as bare calls: /model_info stands in for the load."""
+
+    async def one(client: httpx.AsyncClient, url: str) -> None:
+        for method, path, body in (("POST", "/pause_generation", {"mode": "retract"}), ("GET", "/model_info", None),
+                                   ("POST", "/continue_generation", {})):  # fmt: skip
+            (await client.request(method, url + path, json=body)).raise_for_status()
+
+    async def all_engines() -> float:
+        async with httpx.AsyncClient(timeout=10) as client:
+            await asyncio.gather(*(one(client, url) for url in urls))  # connections up, not counted
+            started = time.monotonic()
+            await asyncio.gather(*(one(client, url) for url in urls))
+            return time.monotonic() - started
+
+    return asyncio.run(all_engines())
+
+
 def measure(backend: str, storage: StorageConfig, size: str, repeats: int, scratch: Path) -> dict:
     model_dir = save_tiny_model(MODELS[size], scratch / f"{size}-model", seed=0)
     model, tokenizer = load_model(model_dir), load_tokenizer(model_dir)
@@ -85,15 +122,17 @@ def measure(backend: str, storage: StorageConfig, size: str, repeats: int, scrat
     store = open_run_store(storage, f"weightsync-{size}")
     publish_snapshot(store, model, tokenizer, 0)
     engines = EngineFleet(EngineConfig(), 2, load_snapshot(store, scratch / f"{size}-cache", 0), 0, scratch / "logs")
-    tandem, raw = [], []
+    tandem, raw, unavoidable = [], [], []
     with engines:
         tandem_sync(store, model, tokenizer, 1, engines, scratch / f"{size}-cache")  # warm-up, not counted
         for i in range(repeats):
             tandem.append(tandem_sync(store, model, tokenizer, 2 + i, engines, scratch / f"{size}-cache"))
             raw.append(raw_copy(store, files, i, scratch / size))
+            unavoidable.append(serialise_seconds(model, scratch / size, i) + engine_call_seconds(engines.urls))
     megabytes = sum(p.stat().st_size for p in files) / 1e6
-    t, r = statistics.median(tandem), statistics.median(raw)
-    return {"backend": backend, "model": size, "megabytes": megabytes, "tandem_seconds": t, "raw_seconds": r, "ratio": t / r}
+    t, r, u = statistics.median(tandem), statistics.median(raw), statistics.median(unavoidable)
+    return {"backend": backend, "model": size, "megabytes": megabytes, "tandem_seconds": t, "raw_seconds": r, "ratio": t / r,
+            "unavoidable_seconds": u, "unavoidable_ratio": u / r}  # fmt: skip
 
 
 def main() -> None:
@@ -101,7 +140,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="Write every measurement as JSON here.")
     parser.add_argument("--quick", action="store_true", help="The tiny model only, one repeat.")
     args = parser.parse_args()
-    sizes, repeats = (["tiny"], 1) if args.quick else (["tiny", "100M"], 5)
+    repeats = {"tiny": 1} if args.quick else {"tiny": 15, "100M": 5}
     scratch = Path(tempfile.mkdtemp(prefix="tandem-weightsync-"))
     server = SeaweedServer(scratch / "s3", free_s3_port()).start()
     results = []
@@ -110,17 +149,22 @@ def main() -> None:
             "file": StorageConfig(root=f"file://{scratch}/runs"),
             "s3": StorageConfig(root="s3://weightsync/runs", endpoint_url=server.endpoint_url, key="bench", secret="bench"),
         }
-        for size in sizes:
+        for size, count in repeats.items():
             for backend, storage in backends.items():
                 console.print(f"{size} model on {backend}")
-                results.append(measure(backend, storage, size, repeats, scratch / backend))
+                results.append(measure(backend, storage, size, count, scratch / backend))
     finally:
         server.stop()
         shutil.rmtree(scratch, ignore_errors=True)
-    print("| storage | model | MB | tandem s (publish -> all engines on v) | raw copy s | ratio |")
-    print("|---|---|---:|---:|---:|---:|")
+    print("| storage | model | MB | tandem s (publish -> all engines on v) | raw copy s | ratio | unavoidable s | unavoidable / raw |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
     for r in results:
-        print(f"| {r['backend']} | {r['model']} | {r['megabytes']:.1f} | {r['tandem_seconds']:.2f} | {r['raw_seconds']:.2f} | {r['ratio']:.2f} |")
+        print(f"| {r['backend']} | {r['model']} | {r['megabytes']:.1f} | {r['tandem_seconds']:.3f} | {r['raw_seconds']:.3f} "
+              f"| {r['ratio']:.2f} | {r['unavoidable_seconds']:.3f} | {r['unavoidable_ratio']:.2f} |")  # fmt: skip
+    for r in results:
+        if r["unavoidable_ratio"] > TARGET:
+            print(f"{r['backend']} {r['model']}: serialising and the engine calls alone take {r['unavoidable_ratio']:.2f}x "
+                  f"the raw copy: the {TARGET}x target is out of reach of any sync through storage")  # fmt: skip
     worst = max(r["ratio"] for r in results)
     if args.out:
         args.out.write_text(json.dumps({"runs": results, "worst_sync_ratio_vs_raw": worst}, indent=2))
