@@ -12,7 +12,8 @@ This package imports nothing of tandem: every other layer may import it.
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal
+from types import UnionType
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, SecretStr, ValidationInfo, field_validator, model_validator
 
@@ -58,8 +59,13 @@ TopK = Annotated[int, Field(ge=-1, json_schema_extra={"not": {"const": 0}}), Aft
 API's; the JSON-schema twin lets Prefect refuse 0 at submission)."""
 
 
-NUMBER_TYPES = (int, float, int | None, float | None)
-"""Field types that take no boolean (`Section._no_boolean_for_a_number`)."""
+def takes_a_number_not_a_boolean(annotation: Any) -> bool:
+    """Whether a field of this type is a number (maybe optional, maybe constrained) and no bool."""
+    if get_origin(annotation) is Annotated:
+        return takes_a_number_not_a_boolean(get_args(annotation)[0])
+    options = get_args(annotation) if get_origin(annotation) in (Union, UnionType) else (annotation,)
+    plain = [get_args(o)[0] if get_origin(o) is Annotated else o for o in options]
+    return bool not in plain and any(o in (int, float) for o in plain)
 
 
 def is_run_id(text: str) -> bool:
@@ -76,7 +82,7 @@ class Section(BaseModel):
     def _no_boolean_for_a_number(cls, value: Any, info: ValidationInfo) -> Any:
         """Refuse `true`/`false` where a number goes: pydantic's lax mode reads them as 1 and 0,
         so `--set training.steps=true` (a value meant for another field) would train one step."""
-        if isinstance(value, bool) and cls.model_fields[info.field_name].annotation in NUMBER_TYPES:
+        if isinstance(value, bool) and takes_a_number_not_a_boolean(cls.model_fields[info.field_name].annotation):
             raise ValueError("a number is needed here, not a boolean")
         return value
 
@@ -162,10 +168,10 @@ class GenerationConfig(Section):
     sample's advantage is its reward against its group's, so a group of one learns nothing)."""
     prompts_per_chunk: int = Field(16, ge=1, le=4096)
     """Prompt groups in one Prefect task run (episodes inside fan out on Dask)."""
-    temperature: float = Field(1.0, gt=0, le=10)
-    """Sampling temperature of the training rollouts, above 0: greedy samples of one prompt are
-    alike, so their advantages are all 0 (evaluation decodes greedily by itself). The trainer
-    scores the same softmax(logits / temperature)."""
+    temperature: float = Field(1.0, ge=0.01, le=10)
+    """Sampling temperature of the training rollouts, at least 0.01: greedy samples of one prompt
+    are alike, so their advantages are all 0 (evaluation decodes greedily by itself), and engines
+    decode greedily below about 1e-5. The trainer scores the same softmax(logits / temperature)."""
     top_p: float = Field(1.0, gt=0, le=1)
     """Nucleus sampling mass."""
     top_k: TopK = -1

@@ -39,7 +39,7 @@ from infra.scratch import scratch_dir
 from infra.modelfactory import load_tokenizer
 from infra.storage import RunStore, open_run_store
 from tasks.envs import Prompt, load_environment
-from tasks.lag import SlotClaims, admission_capacity, claim_share, read_trainer_state, required_version
+from tasks.lag import SlotClaims, admission_capacity, claim_share, read_trainer_state
 from tasks.rollout import run_group
 from tasks.shards import committed_slots, parse_shard_key, shard_key, write_shard
 from tasks.snapshots import latest_version, load_snapshot, pin_snapshot, snapshot_prefix, snapshot_versions
@@ -282,11 +282,14 @@ class Generator:
         state = read_trainer_state(self.store)
         if state.done:
             return []
-        lag, per_step, lost = self.config.lag.max_lag, self.config.training.prompts_per_step, state.lost_groups
-        capacity = admission_capacity(state.version, lag, per_step, lost)
+        lag, per_step = self.config.lag.max_lag, self.config.training.prompts_per_step
+        # What admission allows on the weights loaded, which may be older than the trainer's: a
+        # slot past it would need newer weights (the bound, not a check of the next free slot,
+        # since other generators may take the slots up to the one this claim gets).
+        capacity = admission_capacity(min(state.version, self.loaded_version), lag, per_step, state.lost_groups)
         most = min(most, claim_share(lag, per_step, producers) - held)
         specs = [self.spec(self.orphans.pop(0)) for _ in range(min(most, len(self.orphans)))]
-        while new_claims and len(specs) < most and required_version(self.claims.next_slot, lag, per_step, lost) <= self.loaded_version:
+        while new_claims and len(specs) < most:
             slot = self.claims.claim(capacity)
             if slot is None:
                 break

@@ -43,18 +43,15 @@ _SLOT_KEY = re.compile(r"s(\d{8})\.json")
 
 
 def admission_capacity(trainer_version: int, max_lag: int, groups_per_step: int, lost_groups: int = 0) -> int:
-    """Most groups that may have been started in total while the trainer is at `trainer_version`."""
+    """Most groups that may have been started in total while the trainer is at `trainer_version`.
+
+    Inverted, the oldest weights a slot may start on: slot s needs a version v with
+    s < admission_capacity(v, ...), so a generator claims below the capacity of the version its
+    engines hold. A lost group never reaches the trainer, so every later slot lands in a batch one
+    group earlier, and the capacity at every version counts the losses: counting them only for
+    the trainer's version left the slots they gave back needing weights that only the batch they
+    had to fill could produce (one quarantined shard stalled a max_lag 0 run for good)."""
     return (trainer_version + max_lag + 1) * groups_per_step + lost_groups
-
-
-def required_version(slot: int, max_lag: int, groups_per_step: int, lost_groups: int = 0) -> int:
-    """The oldest policy version a generator may use for `slot` (the capacity rule, inverted).
-
-    A lost group's slot never reaches the trainer, so every later slot lands in a batch one group
-    earlier: counting without the losses, the capacity they give back would need weights the
-    trainer can only publish after a batch that those slots must fill, and a run that had lost
-    more than max_lag batches' worth of groups (one, at max_lag 0) would wait for good."""
-    return max(0, (slot - lost_groups) // groups_per_step - max_lag)
 
 
 def lag_of(trainer_version: int, policy_version: int) -> int:

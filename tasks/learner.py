@@ -39,7 +39,7 @@ from tasks.checkpoints import latest_checkpoint_step, load_checkpoint, save_chec
 from tasks.lag import Candidate, TrainerState, groups_in_flight, lag_of, publish_trainer_state, select_batch, waits_for_last_chance
 from tasks.loss import group_advantages
 from tasks.metrics import MetricsLog
-from tasks.shards import list_shards, parse_shard_key, read_valid_shards, table_to_rollouts
+from tasks.shards import list_shards, parse_shard_key, quarantined_keys, read_valid_shards, table_to_rollouts
 from tasks.snapshots import apply_retention, publish_snapshot
 from tasks.trainer import Trainer, build_batch
 
@@ -108,6 +108,8 @@ class Learner:
                                sampling_temperature=self.config.generation.temperature)  # fmt: skip
         state = load_checkpoint(self.store, self.trainer.model, self.trainer.optimizer, self.cache_dir / "checkpoints", step)
         self.ledger = Ledger.from_json(state.extra["ledger"])
+        for key in sorted(quarantined_keys(self.store) - set(self.ledger.disposed)):
+            self._dispose(key, "quarantined", samples=1)  # moved after the checkpoint: never listed again
         self.window_floor = max(0, step - self.config.lag.max_lag)
         self.metrics.log("resumed", version=step, disposed=len(self.ledger.disposed))
         return step
@@ -120,16 +122,23 @@ class Learner:
         seen_groups = set(self.ledger.trained_groups)
         started = time.monotonic()
         self.poll_seconds = 0.0
+        shared_losses = self.ledger.lost_groups
         while len(chosen) < groups:
             if should_stop():
                 return None
+            if self.ledger.lost_groups != shared_losses:
+                # Generators may replace a lost group as soon as they know of it: at max_lag 0 the
+                # batch being filled needs its replacement, which they could not claim otherwise.
+                shared_losses = self.ledger.lost_groups
+                publish_trainer_state(self.store, TrainerState(self.version, shared_losses))
             batch, stale = select_batch(self._candidates(exclude=chosen), self.version, max_lag, groups - len(chosen))
             self._drop_stale([c.key for c in stale])
             if batch and waits_for_last_chance(batch, self.version, max_lag, lambda: groups_in_flight(self.store)):
                 batch = []
             if not batch:
-                time.sleep(poll_seconds)
-                self.poll_seconds += poll_seconds
+                if self.ledger.lost_groups == shared_losses:  # else share the losses first
+                    time.sleep(poll_seconds)
+                    self.poll_seconds += poll_seconds
                 continue
             valid = read_valid_shards(self.store, [c.key for c in batch], current_version=self.version,
                                       vocab_size=model.vocab_size, context_length=model.max_position_embeddings)  # fmt: skip
@@ -154,8 +163,10 @@ class Learner:
         finishes the step it applied instead of stepping again: a second optimizer step on one
         batch would count its groups twice and could train a last-chance group past max_lag."""
         started = time.monotonic()
-        if self._unfinished is None or self._unfinished[0] != set(shards):
+        if self._unfinished is None:
             self._unfinished = (set(shards), self._apply_step(shards, started))
+        elif self._unfinished[0] != set(shards):
+            raise RuntimeError(f"v{self.version} is applied but not published: finish it before training other shards")
         step = self._unfinished[1]
         published = time.monotonic()
         self._publish()

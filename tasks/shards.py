@@ -202,12 +202,20 @@ def committed_slots(store: RunStore) -> dict[int, str]:
     A quarantined group was generated and is accounted for (as lost); only a slot with neither
     was never committed."""
     slots = {parse_shard_key(key).seq: key for key in list_shards(store)}
+    for key in quarantined_keys(store):
+        slots.setdefault(parse_shard_key(key).seq, key)
+    return slots
+
+
+def quarantined_keys(store: RunStore) -> set[str]:
+    """The original keys of the shards moved to quarantine/."""
+    keys = set()
     for prefix in store.list("quarantine/rollouts"):
         for key in store.list(prefix):
             match = SHARD_KEY_PATTERN.match(key.removeprefix("quarantine/"))
             if match and not key.endswith(".reason.json"):
-                slots.setdefault(int(match["seq"]), match[0])
-    return slots
+                keys.add(match[0])
+    return keys
 
 
 def read_shard(

@@ -192,7 +192,7 @@ CLI_CASES = [
     cli("section given twice", init_yaml("training:\n  steps: 5\nlag:\n  max_lag: 1\ntraining:\n  lr: 0.001\n"),
         ("not valid YAML", "key 'training' is given twice", "line 5")),
     cli("out of range in the file", init_yaml("generation:\n  temperature: -0.5\n"),
-        "generation.temperature: Input should be greater than 0 (got -0.5)"),
+        "generation.temperature: Input should be greater than or equal to 0.01 (got -0.5)"),
     cli("a group of one sample", init_tiny("--set", "generation.samples_per_prompt=1"),
         "generation.samples_per_prompt: Input should be greater than or equal to 2 (got 1)"),
     cli("a boolean for a count", init_tiny("--set", "training.steps=true"),

@@ -9,6 +9,7 @@ from pathlib import Path
 from configs import TINY_CONFIG, load_config
 from infra.modelfactory import build_model, build_tokenizer
 from infra.storage import open_run_store
+from tasks.lag import admission_capacity, read_trainer_state
 from tasks.learner import Learner
 from tasks.metrics import MetricsLog
 from tasks.shards import shard_key, write_shard
@@ -107,3 +108,41 @@ def test_a_step_retried_after_its_publish_failed_is_not_applied_twice(tmp_path: 
     assert all((p.detach() == after_first[n]).all() for n, p in learner.trainer.model.named_parameters()), "no second step"
     assert learner.ledger.trained_groups == ["s00000000", "s00000001"] and learner.ledger.counts["trained"] == 8
     assert learner.store.exists("weights/v00000001/MANIFEST.json")
+
+
+def test_a_group_lost_while_a_batch_fills_is_shared_with_the_generators_at_once(tmp_path: Path):
+    """At max_lag 0 the batch being filled is the whole admission window: the replacement of a
+    group quarantined meanwhile is claimable only once generators know of the loss, which the
+    trainer used to publish after its next step, which needed that replacement: a stall for good."""
+    config = load_config(TINY_CONFIG, [f"storage.root=file://{tmp_path}", "training.prompts_per_step=2", "lag.max_lag=0"])
+    store = open_run_store(config.storage, config.run_id)
+    tokenizer = build_tokenizer()
+    learner = Learner(config, store, build_model(config.model, vocab_size=len(tokenizer), seed=0), tokenizer,
+                      tmp_path / "cache", MetricsLog(store, "trainer"))  # fmt: skip
+    write_group(learner, "s00000000", seq=0)
+    assert store.put_if_absent(shard_key(0, "gen0", 1), b"not a parquet file")
+    looks = []
+    assert learner.admit_batch(should_stop=lambda: looks.append(1) or len(looks) > 3, poll_seconds=0.01) is None
+    assert learner.ledger.lost_groups == 1
+    assert read_trainer_state(store).lost_groups == 1, "published while the batch still waits for its replacement"
+    capacity = admission_capacity(read_trainer_state(store).version, 0, 2, read_trainer_state(store).lost_groups)
+    assert capacity == 3, "the replacement's slot is admitted on v0"
+
+
+def test_a_resumed_trainer_counts_the_shards_quarantined_after_its_checkpoint(tmp_path: Path):
+    """Those shards left rollouts/ and the checkpoint's ledger does not name them: unless the
+    resume counts them, their capacity is never returned and the accounting identity breaks."""
+    learner = make_learner(tmp_path)
+    for slot in range(2):
+        write_group(learner, f"s{slot:08d}", seq=slot)
+    learner.train_step(learner.admit_batch(poll_seconds=0.01))
+    learner._checkpoint()  # the checkpoint at v1
+    bad = shard_key(1, "gen0", 5)
+    assert learner.store.put_if_absent(bad, b"not a parquet file")
+    write_group(learner, "s00000002", seq=2)
+    looks = []
+    learner.admit_batch(should_stop=lambda: looks.append(1) or len(looks) > 3, poll_seconds=0.01)
+    assert learner.ledger.disposed.get(bad) == "quarantined"  # ... then the trainer dies before its next checkpoint
+    resumed = make_learner(tmp_path)
+    assert resumed.resume() == 1
+    assert resumed.ledger.disposed.get(bad) == "quarantined" and resumed.ledger.lost_groups == 1
