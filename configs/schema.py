@@ -190,6 +190,10 @@ class TrainingConfig(Section):
     x prompts_per_step at most 999,999)."""
     prompts_per_step: int = Field(16, ge=1, le=65536)
     """Prompt groups in one training batch."""
+    micro_batch_size: int | None = Field(None, ge=1, le=65536)
+    """Sequences per forward and backward pass, gradients accumulated over the batch (the same
+    step, in less memory: prompts_per_step x samples_per_prompt sequences at once do not fit a
+    real model's GPU); null: the whole batch in one pass."""
     lr: float = Field(1e-4, gt=0, le=1)
     """AdamW learning rate of the RL phase."""
     weight_decay: float = Field(0.0, ge=0, le=1)

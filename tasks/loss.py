@@ -82,6 +82,7 @@ def policy_loss(
     kl_coef: float = 0.0,
     entropy: Tensor | None = None,
     entropy_coef: float = 0.0,
+    token_total: float | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """The loss to minimise and its metrics, over the model tokens (mask 1) of a batch.
 
@@ -92,6 +93,10 @@ def policy_loss(
     entropy (0.0 when their input is not given), ratio_mean, ratio_max, clip_fraction and
     capped_fraction (fractions of model tokens where the clip or the cap set the surrogate; 0.0
     without importance correction), tokens and loss. A batch without model tokens has loss 0.
+
+    `token_total`: the model tokens of the whole batch when this is one micro-batch of it. Every
+    mean then divides by it, so the micro-batches' losses, gradients and metrics (ratio_max
+    aside, a max) add up to the whole batch's.
     """
     if is_cap is not None and is_cap <= 1.0:
         raise ValueError(f"is_cap must be > 1 (a cap <= 1 stops on-policy tokens), got {is_cap}")
@@ -100,7 +105,7 @@ def policy_loss(
     advantages = advantages.expand_as(logprobs)
     model = mask.bool()
     tokens = model.sum()
-    count = tokens.clamp(min=1)
+    count = tokens.clamp(min=1) if token_total is None else max(token_total, 1.0)
 
     def mean(values: Tensor) -> Tensor:
         return torch.where(model, values, 0.0).sum() / count

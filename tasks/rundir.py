@@ -28,7 +28,8 @@ MASKED_SECRET = "**********"
 
 OPERATIONAL_FIELDS = (
     "run_id", "storage.root", "storage.endpoint_url", "storage.retry_seconds", "storage.keep_last_snapshots",
-    "storage.keep_every_snapshot", "training.steps", "training.checkpoint_every", "generation.engines",
+    "storage.keep_every_snapshot", "training.steps", "training.checkpoint_every", "training.micro_batch_size",
+    "generation.engines",
     "generation.prompts_per_chunk", "generation.hand_off_stragglers", "env.eval_prompts", "prefect", "dask", "engine",
 )  # fmt: skip
 """Config fields a restarted or continued run may change: how it runs and for how long, not

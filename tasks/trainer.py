@@ -6,8 +6,10 @@ the supervised warm-start that precedes RL. Plain torch, no Prefect, no DDP.
   prompt length) is scored by the logit at P+i-1: its loss_mask and behaviour logprob go there,
   in `targets`' frame. Prompt tokens are never in the loss, the last real position predicts
   nothing, and padding predicts nothing either.
-- `Trainer.rl_step`: forward with the attention mask, logits divided by the sampling temperature
-  (generation.temperature), `policy_loss` of tasks/loss.py with the
+- `Trainer.rl_step`: forward with the attention mask (in micro-batches of
+  `training.micro_batch_size` rows, gradients accumulated, when the batch would not fit at
+  once), logits divided by the sampling temperature (generation.temperature), `policy_loss` of
+  tasks/loss.py with the
   TrainingConfig's clip_eps, is_cap, importance_correction, kl_coef and entropy_coef, backward,
   gradient-norm clipping, one AdamW step. The reported grad_norm is the norm BEFORE clipping (what
   the loss asked for); a non-finite one raises and leaves the weights untouched, since a NaN step
@@ -67,6 +69,18 @@ class TrainBatch:
 
     def to(self, device: torch.device) -> TrainBatch:
         return TrainBatch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+
+    def micro_batches(self, size: int) -> list[TrainBatch]:
+        """The batch in slices of `size` rows, each cut to its own longest row (less padding)."""
+        parts = []
+        for start in range(0, self.input_ids.shape[0], size):
+            rows = slice(start, start + size)
+            length = int(self.attention_mask[rows].sum(dim=1).max())
+            parts.append(TrainBatch(**{
+                f.name: value[rows, :length] if value.dim() == 2 else value[rows]
+                for f in fields(self) for value in [getattr(self, f.name)]
+            }))  # fmt: skip
+        return parts
 
 
 def build_batch(
@@ -189,46 +203,51 @@ class Trainer:
         if (lags < 0).any():
             raise ValueError(f"batch has samples newer than the trainer's version {self._version}")
         self.warmup_optimizer = None
-        batch = batch.to(self.model.device)
         self.model.train()
-        inputs = {
-            "input_ids": batch.input_ids, "attention_mask": batch.attention_mask, "use_cache": False
-        }
-        logits = self.model(**inputs).logits / self.sampling_temperature
-        logprobs = token_logprobs(logits, batch.targets)
-        with torch.set_grad_enabled(self.cfg.entropy_coef > 0):
-            entropy = token_entropy(logits)
-        ref_logprobs = None
-        if self.ref_model is not None:
-            with torch.no_grad():
-                ref_logprobs = token_logprobs(self.ref_model(**inputs).logits / self.sampling_temperature, batch.targets)
-        loss, metrics = policy_loss(
-            logprobs,
-            batch.behavior_logprobs,
-            batch.advantages,
-            batch.loss_mask,
-            clip_eps=self.cfg.clip_eps,
-            is_cap=self.cfg.is_cap,
-            importance_correction=self.cfg.importance_correction,
-            ref_logprobs=ref_logprobs,
-            kl_coef=self.cfg.kl_coef,
-            entropy=entropy,
-            entropy_coef=self.cfg.entropy_coef,
-        )
-        metrics |= self._apply(loss, self.optimizer)
+        total = float(batch.loss_mask.sum())
+        metrics: dict[str, float] = {}
+        try:  # gradients accumulate over the micro-batches; a failure leaves none behind
+            for part in batch.micro_batches(self.cfg.micro_batch_size or batch.input_ids.shape[0]):
+                loss, part_metrics = self._micro_batch_loss(part.to(self.model.device), total)
+                loss.backward()
+                for name, value in part_metrics.items():
+                    metrics[name] = max(metrics.get(name, value), value) if name == "ratio_max" else metrics.get(name, 0.0) + value
+            metrics |= self._step(self.optimizer)
+        finally:
+            self.optimizer.zero_grad(set_to_none=True)
         self._version += 1
         lags = lags.float()
         metrics |= {"lag_mean": lags.mean().item(), "lag_max": lags.max().item()}
         return metrics | {"version": self._version}
 
+    def _micro_batch_loss(self, part: TrainBatch, token_total: float) -> tuple[Tensor, dict[str, float]]:
+        """The loss of one micro-batch, as its share of the whole batch's token mean."""
+        inputs = {"input_ids": part.input_ids, "attention_mask": part.attention_mask, "use_cache": False}
+        logits = self.model(**inputs).logits / self.sampling_temperature
+        logprobs = token_logprobs(logits, part.targets)
+        with torch.set_grad_enabled(self.cfg.entropy_coef > 0):
+            entropy = token_entropy(logits)
+        ref_logprobs = None
+        if self.ref_model is not None:
+            with torch.no_grad():
+                ref_logprobs = token_logprobs(self.ref_model(**inputs).logits / self.sampling_temperature, part.targets)
+        return policy_loss(
+            logprobs, part.behavior_logprobs, part.advantages, part.loss_mask,
+            clip_eps=self.cfg.clip_eps, is_cap=self.cfg.is_cap, importance_correction=self.cfg.importance_correction,
+            ref_logprobs=ref_logprobs, kl_coef=self.cfg.kl_coef, entropy=entropy, entropy_coef=self.cfg.entropy_coef,
+            token_total=token_total,
+        )  # fmt: skip
+
     def _apply(self, loss: Tensor, optimizer: torch.optim.Optimizer) -> dict[str, float]:
         """Backward, clip, step; grad_norm is the norm before clipping."""
         try:
             loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(
-                self.model.parameters(), self.cfg.grad_clip, error_if_nonfinite=True
-            )
-            optimizer.step()
+            return self._step(optimizer)
         finally:
             optimizer.zero_grad(set_to_none=True)
+
+    def _step(self, optimizer: torch.optim.Optimizer) -> dict[str, float]:
+        """Clip the accumulated gradients and step; grad_norm is the norm before clipping."""
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip, error_if_nonfinite=True)
+        optimizer.step()
         return {"grad_norm": grad_norm.item(), "lr": optimizer.param_groups[0]["lr"]}

@@ -238,3 +238,29 @@ def test_the_trainer_scores_the_distribution_the_engines_sampled_from():
     assert abs(ratios[1.0]["ratio_mean"] - 1.0) > 1e-3
     with pytest.raises(ValueError, match="temperature > 0"):
         Trainer(model, TrainingConfig(), sampling_temperature=0.0)
+
+
+def test_micro_batches_make_the_same_step_as_the_whole_batch():
+    """A batch in micro-batches of one row accumulates the gradient of the whole batch's token
+    mean: the same weights after the step and the same metrics (KL and entropy terms on)."""
+    rows = [rollout([1, 5, 6], [7, 8, 4, 9], [1, 1, 0, 1], [-0.5, -1.0, 0.0, -2.0]),
+            rollout([1, 5], [9, 10, 11], [1, 1, 1], [-1.5, -0.2, -3.0]),
+            rollout([1, 5, 6, 7], [12], [1], [-0.7], version=1)]  # fmt: skip
+    reference, config = tiny_model(), TrainingConfig(lr=3e-3, kl_coef=0.1, entropy_coef=0.01)
+    steps, passes = {}, {}
+    for size in (None, 1, 2):
+        trainer = Trainer(copy.deepcopy(reference), TrainingConfig(**config.model_dump() | {"micro_batch_size": size}),
+                          ref_model=copy.deepcopy(reference), version=2)  # fmt: skip
+        seen = []
+        trainer.model.register_forward_hook(lambda module, args, output: seen.append(output.logits.shape[0]))
+        steps[size] = (trainer.rl_step(build_batch(rows, [1.0, -0.5, 0.3])), trainer.model.state_dict())
+        passes[size] = seen
+    assert passes == {None: [3], 1: [1, 1, 1], 2: [2, 1]}, "rows per forward pass"
+    whole, whole_weights = steps[None]
+    for size in (1, 2):
+        metrics, weights = steps[size]
+        for name in ("loss", "pg_loss", "kl", "entropy", "ratio_mean", "ratio_max", "clip_fraction", "grad_norm", "tokens"):
+            assert metrics[name] == pytest.approx(whole[name], rel=1e-4, abs=1e-6), (size, name)
+        for name, tensor in weights.items():
+            torch.testing.assert_close(tensor, whole_weights[name], rtol=1e-4, atol=1e-6)
+    assert whole["tokens"] == 7
