@@ -167,7 +167,10 @@ def test_an_interrupted_run_stops_its_children_and_exits(tmp_path: Path, whom: s
     overrides = [f"storage.root=file://{tmp_path}", "run_id=interrupted", "training.steps=500", "training.warmup_steps=0", "env.eval_prompts=0", "dask.n_workers=1"]
     env = os.environ | {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "TMPDIR": str(tmp_path / "scratch")}
     log = (tmp_path / "run.log").open("w")
-    run = subprocess.Popen(run_command(TINY_CONFIG, overrides), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    # SIGINT reset in the child: started from a background job without job control (`cmd &` in
+    # a script), it inherits SIGINT ignored, and Python then never raises KeyboardInterrupt.
+    run = subprocess.Popen(run_command(TINY_CONFIG, overrides), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env,
+                           start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
     trainer_state = tmp_path / "interrupted" / "lag" / "trainer.json"
     try:
         deadline = time.monotonic() + 300
