@@ -59,6 +59,24 @@ TopK = Annotated[int, Field(ge=-1, json_schema_extra={"not": {"const": 0}}), Aft
 API's; the JSON-schema twin lets Prefect refuse 0 at submission)."""
 
 
+MASKED_SECRET = "**********"
+"""What pydantic's JSON dump writes in place of a secret (config.json, `tandem config show`)."""
+
+
+def _not_the_mask(secret: SecretStr | None) -> SecretStr | None:
+    if secret is not None and secret.get_secret_value() == MASKED_SECRET:
+        raise ValueError(
+            f"{MASKED_SECRET!r} is what a config dump shows in place of a secret, not a secret: "
+            "give the value itself, or null"
+        )
+    return secret
+
+
+Credential = Annotated[SecretStr | None, AfterValidator(_not_the_mask)]
+"""A credential, or null. The mask is refused: a dumped config fed back as parameters (a child
+run's, an event's) would otherwise make the ten asterisks the credential, silently."""
+
+
 def takes_a_number_not_a_boolean(annotation: Any) -> bool:
     """Whether a field of this type is a number (maybe optional, maybe constrained) and no bool."""
     if get_origin(annotation) is Annotated:
@@ -144,7 +162,7 @@ class EngineConfig(Section):
     """Address engines bind; loopback unless you mean to expose them."""
     base_port: int = Field(0, ge=0, le=65000)
     """Port of the first engine (engine i listens on base_port + i); 0 picks free ports."""
-    api_key: SecretStr | None = None
+    api_key: Credential = None
     """Bearer token every engine request must carry (SGLang's --api-key); null disables it."""
     max_batch_size: int = Field(32, ge=1, le=1024)
     """Most sequences the CPU engine decodes in one batch."""
@@ -236,9 +254,9 @@ class StorageConfig(Section):
     """URL under which each run gets {root}/{run_id}/."""
     endpoint_url: str | None = None
     """S3 endpoint (MinIO, SeaweedFS, ...); null means AWS or $AWS_ENDPOINT_URL."""
-    key: SecretStr | None = None
+    key: Credential = None
     """S3 access key, given with `secret` or not at all; null: credentials_block, else $AWS_ACCESS_KEY_ID."""
-    secret: SecretStr | None = None
+    secret: Credential = None
     """S3 secret key, given with `key` or not at all; null: credentials_block, else $AWS_SECRET_ACCESS_KEY."""
     credentials_block: str | None = Field(None, pattern=f"^{BLOCK_NAME_FORM}$", json_schema_extra=whole_text_pattern(BLOCK_NAME_FORM))
     """Name of a Prefect Secret block holding {"key": ..., "secret": ...}; wins over the env vars."""
@@ -369,6 +387,23 @@ class RunConfig(Section):
     """The Dask cluster for episodes."""
     prefect: PrefectConfig = Field(default_factory=PrefectConfig)
     """How the flows are run."""
+
+    def secrets(self) -> dict[str, SecretStr]:
+        """The credentials this config sets, by field path (`engine.api_key`)."""
+        return {f"{name}.{key}": value for name, section in self if isinstance(section, Section)
+                for key, value in section if isinstance(value, SecretStr)}  # fmt: skip
+
+    def as_parameters(self, *, secrets: bool) -> dict[str, Any]:
+        """This config as JSON flow parameters. Pydantic's JSON dump writes each secret as the
+        mask, which validation refuses, so the caller says what a secret becomes: its value
+        (`secrets=True`: a child run of a parent that was given it, which the server already holds
+        among the parent's parameters) or null (an event's payload, which the server shows to anyone
+        who can read events: its consumer takes credentials from its own environment)."""
+        data = self.model_dump(mode="json")
+        for path, value in self.secrets().items():
+            section, key = path.split(".")
+            data[section][key] = value.get_secret_value() if secrets else None
+        return data
 
     @model_validator(mode="after")
     def _no_credentials_in_parameters(self) -> RunConfig:

@@ -25,7 +25,6 @@ from typing import Annotated, NoReturn
 
 import typer
 import yaml
-from pydantic import BaseModel, SecretStr
 from rich.console import Console
 from rich.markup import escape
 
@@ -278,19 +277,14 @@ def config_show(
     """Print the resolved configuration (defaults filled in, overrides applied, secrets masked).
 
     --json leaves the secrets out (null), saying on stderr which: its output is what a deployed
-    run is submitted with, where a masked value would become the secret."""
+    run is submitted with, where the mask is refused as a value."""
     resolved = resolve_config(config, overrides)
-    data = resolved.model_dump(mode="json")
     if not as_json:
-        typer.echo(yaml.safe_dump(data, sort_keys=False))
+        typer.echo(yaml.safe_dump(resolved.model_dump(mode="json"), sort_keys=False))
         return
-    secrets = [(name, key) for name, section in resolved if isinstance(section, BaseModel)
-               for key, value in section if isinstance(value, SecretStr)]  # fmt: skip
-    for name, key in secrets:
-        data[name][key] = None
-    typer.echo(json.dumps(data, indent=2))
-    if secrets:
-        left_out = ", ".join(f"{name}.{key}" for name, key in secrets)
+    typer.echo(json.dumps(resolved.as_parameters(secrets=False), indent=2))
+    if secrets := resolved.secrets():
+        left_out = ", ".join(secrets)
         note = f"note: left out of the JSON (null): {left_out}. {SECRETS_IN_DEPLOYED_RUNS}"
         err_console.print(escape(note), highlight=False, soft_wrap=True)
 

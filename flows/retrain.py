@@ -76,7 +76,7 @@ def _continued(source: RunConfig, store, steps: int) -> RunConfig:
 def _successor(source: RunConfig, store, new_run_id: str, steps: int, cache: Path) -> RunConfig:
     """A new run that starts from `source`'s newest snapshot, with no warm-start."""
     model_dir = load_snapshot(store, cache / "weights", latest_version(store))
-    data = source.model_dump(mode="json")
+    data = source.as_parameters(secrets=True)
     data["run_id"] = new_run_id
     data["model"]["path"] = str(model_dir)
     data["training"] |= {"steps": steps, "warmup_steps": 0}

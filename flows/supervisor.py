@@ -134,7 +134,7 @@ class Supervisor:
         self.store = open_run_store(config.storage, config.run_id)
         self.client = get_client(sync_client=True)
         self.log = get_run_logger()
-        self.parameters = {"config": config.model_dump(mode="json")}
+        self.parameters = {"config": config.as_parameters(secrets=True)}
         self.training: FlowRun | None = None
         self.generators: dict[str, UUID] = {}
         """Producer id -> flow run id of each generation run that should be generating."""

@@ -145,11 +145,12 @@ def announce_snapshot(config: RunConfig, version: int, run_url: str) -> None:
     """Emit `tandem.weights.published` for snapshot `version`, labelled with whether it is due
     for evaluation (the trigger matches on that label).
 
-    The payload carries the run's config (without credentials: config dumps mask secrets, and a
-    deployed config has none), so the evaluation it triggers needs nothing but the event."""
+    The payload carries the run's config with its secrets null (the server shows events to anyone
+    who reads them), so the evaluation it triggers needs nothing but the event and its worker's
+    own credentials: its engine runs without engine.api_key."""
     evaluate = due_for_evaluation(config, version)
     emit_event(
         event="tandem.weights.published",
         resource={"prefect.resource.id": f"tandem.run.{config.run_id}", "tandem.evaluate": str(evaluate).lower()},
-        payload={"run_id": config.run_id, "version": version, "run_url": run_url, "config": config.model_dump(mode="json")},
+        payload={"run_id": config.run_id, "version": version, "run_url": run_url, "config": config.as_parameters(secrets=False)},
     )  # fmt: skip

@@ -152,7 +152,7 @@ class Deployment:
         """The tiny deployed config (`TINY_DEPLOYED`) of run `run_id` on this deployment's
         bucket, with `overrides` applied last; as the JSON a deployment parameter holds."""
         base = [f"run_id={run_id}", f"storage.root=s3://{self.bucket}/runs", *TINY_DEPLOYED]
-        return load_config(TINY_CONFIG, [*base, *overrides]).model_dump(mode="json")
+        return load_config(TINY_CONFIG, [*base, *overrides]).as_parameters(secrets=True)
 
     def start_pipeline(self, config: dict) -> str:
         """`prefect deployment run 'pipeline/tandem'`; returns the flow run id it printed."""

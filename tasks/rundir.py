@@ -16,14 +16,13 @@ import tempfile
 from pathlib import Path
 
 from configs.loader import ConfigError, apply_override, validate_config
-from configs.schema import RunConfig, StorageConfig, is_run_id
+from configs.schema import MASKED_SECRET, RunConfig, StorageConfig, is_run_id
 from infra.modelfactory import given_model_dir, load_model, load_tokenizer, prepare_initial_model
 from infra.storage import RunStore, StorageRejected, open_run_store
 from tasks.envs import EnvironmentLoadError, load_environment
 from tasks.snapshots import latest_version, publish_snapshot, publish_snapshot_dir, snapshot_versions
 
 CONFIG_KEY = "config.json"
-MASKED_SECRET = "**********"
 
 
 OPERATIONAL_FIELDS = (

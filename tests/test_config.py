@@ -12,6 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from configs import CONFIG_DIR, ConfigError, RunConfig, load_config
+from configs.loader import validate_config
 from flows.cli import app, resolve_config
 from tasks.rundir import load_run_config
 
@@ -53,6 +54,24 @@ def test_secrets_are_masked_when_dumped():
     dumped = config.model_dump_json()
     assert "AKIAEXAMPLE" not in dumped and "s3cr3t" not in dumped and "k3y" not in dumped
     assert "AKIAEXAMPLE" not in repr(config)
+
+
+@pytest.mark.parametrize("field", ["engine.api_key", "storage.key", "storage.secret"])
+def test_the_mask_of_a_dumped_secret_is_refused_naming_the_field(field: str):
+    # config.json and `config show` write each secret as the mask; fed back as parameters, the
+    # mask would otherwise become the secret.
+    section, key = field.split(".")
+    with pytest.raises(ConfigError, match=f"{field}: .*what a config dump shows in place of a secret"):
+        validate_config({section: {key: "**********"}})
+
+
+def test_parameters_carry_the_secrets_only_when_asked_and_validate_again():
+    config = load_config(None, ["storage.key=AKIAEXAMPLE", "storage.secret=s3cr3t", "engine.api_key=k3y"])
+    assert set(config.secrets()) == {"engine.api_key", "storage.key", "storage.secret"}
+    child = RunConfig.model_validate(json.loads(json.dumps(config.as_parameters(secrets=True))))
+    assert child == config and child.engine.api_key.get_secret_value() == "k3y"
+    event = RunConfig.model_validate(config.as_parameters(secrets=False))
+    assert event.secrets() == {} and event.model_dump(exclude={"engine", "storage"}) == config.model_dump(exclude={"engine", "storage"})
 
 
 BAD_CONFIGS = [

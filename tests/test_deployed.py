@@ -37,6 +37,7 @@ from tasks.snapshots import snapshot_versions
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.deployed, pytest.mark.s3, pytest.mark.slow, pytest.mark.timeout(900)]
 S3_KEY, S3_SECRET = "deployed-test-key", "deployed-test-secret"
+ENGINE_KEY = "deployed-engine-key"
 
 
 _bin, _flow_run_id = bin_path, flow_run_id_from
@@ -53,7 +54,7 @@ def deployment(seaweed, tmp_path_factory):
 def finished(deployment):
     """One whole deployed run: started from the CLI, finished, with its flow run id."""
     run_id = "e2e"
-    flow_run_id = deployment.start_pipeline(deployment.config(run_id, "prefect.evaluate_every=3"))
+    flow_run_id = deployment.start_pipeline(deployment.config(run_id, "prefect.evaluate_every=3", f"engine.api_key={ENGINE_KEY}"))
     parent = deployment.wait_final(flow_run_id)
     return run_id, parent
 
@@ -65,6 +66,8 @@ def test_deployed_run_completes_on_two_pools(deployment, finished):
     pools = {name: {r.work_pool_name for _, r in children if _ == name} for name, _ in children}
     assert pools["training"] == {"training"} and pools["generation"] == {"inference"}
     assert all(r.state.is_completed() for _, r in children), [(n, r.state.name) for n, r in children]
+    keys = {r.parameters["config"]["engine"]["api_key"] for _, r in children}
+    assert keys == {ENGINE_KEY}, "a child runs with its parent's config, the engine key given to the parent included"
     store = deployment.store(run_id)
     assert len(list_shards(store)) >= 6 * 4
     assert snapshot_versions(store)[-1] == 6
@@ -138,6 +141,7 @@ def test_published_snapshots_trigger_evaluation(deployment, finished):
         evaluations = client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["evaluation"])))
     for run in evaluations:
         deployment.wait_final(str(run.id))
+    assert all(run.parameters["config"]["engine"]["api_key"] is None for run in evaluations), "an event carries no secret"
     last = [r for r in read_metrics(store, "evaluation") if r["event"] == "evaluation" and r["version"] == 6]
     assert len(last) == 1, "the last snapshot is the pipeline's to score, not the trigger's too"
     with deployment.client() as client:
