@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextvars
 import errno
+import functools
 import logging
 import os
 import shutil
@@ -416,13 +417,22 @@ def _credentials(storage: StorageConfig) -> tuple[str | None, str | None]:
         return (storage.key.get_secret_value() if storage.key else None,
                 storage.secret.get_secret_value() if storage.secret else None)  # fmt: skip
     if storage.credentials_block:
-        from prefect.blocks.system import Secret
-
-        value = Secret.load(storage.credentials_block).get()
-        if not isinstance(value, dict) or not {"key", "secret"} <= value.keys():
-            raise ValueError(f"Secret block {storage.credentials_block!r} must hold {{\"key\": ..., \"secret\": ...}}")
-        return value["key"], value["secret"]
+        return _block_credentials(storage.credentials_block)
     return os.environ.get("AWS_ACCESS_KEY_ID"), os.environ.get("AWS_SECRET_ACCESS_KEY")
+
+
+@functools.lru_cache(maxsize=16)
+def _block_credentials(name: str) -> tuple[str, str]:
+    """The key and secret of Secret block `name`, read from the Prefect API once per process.
+    Every rollout group opens the run's store: a read per open was an API call per group, and
+    while the Prefect server restarted the groups failed and took their generation run with them.
+    A failed read is not cached; a rotated secret reaches a process when it starts again."""
+    from prefect.blocks.system import Secret
+
+    value = Secret.load(name).get()
+    if not isinstance(value, dict) or not {"key", "secret"} <= value.keys():
+        raise ValueError(f"Secret block {name!r} must hold {{\"key\": ..., \"secret\": ...}}")
+    return value["key"], value["secret"]
 
 
 def _remove_empty_dirs(top: Path) -> None:

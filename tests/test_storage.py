@@ -303,6 +303,14 @@ def test_credentials_come_from_a_prefect_secret_block_when_named(seaweed, monkey
         store.write_atomic("probe.json", b"{}")
         assert store.read_bytes("probe.json") == b"{}"
         assert (store.fs.key, store.fs.secret) == ("block-key", "block-secret")
+
+        def api_away(*args, **kwargs):
+            raise ConnectionError("the Prefect server is restarting")
+
+        monkeypatch.setattr(Secret, "load", api_away)  # every rollout group opens the store: one read a process
+        again = open_run_store(s3_storage_config(seaweed, key=None, secret=None, credentials_block="tandem-s3"), "run-secret")
+        assert again.read_bytes("probe.json") == b"{}"
+        monkeypatch.undo()
         with pytest.raises(ValueError, match="tandem-s3-incomplete.*must hold"):
             open_run_store(s3_storage_config(seaweed, key=None, secret=None, credentials_block="tandem-s3-incomplete"), "run-secret")
 
