@@ -13,8 +13,9 @@ Between chunks the flow restarts dead engines on the current snapshot, loads new
 wait in the paused engines, and their start overlaps the load instead of following it) and
 publishes how many groups it has in flight on each policy version, which the trainer reads so
 that it trains the oldest of them before they go stale.
-It stops when the trainer's published state says done, and then aborts the engines' requests:
-the groups in flight would never be trained. Asked to retire (a scale-down), it claims nothing
+It stops when the trainer's published state says done, or when the pipeline that started it no
+longer holds the run (tasks/lease.py `PipelineWatch`: a dead or failed deployed parent), and then
+aborts the engines' requests: the groups in flight would never be trained. Asked to retire (a scale-down), it claims nothing
 more and finishes the chunks it has in flight, so that every slot it claimed is committed.
 """
 
@@ -42,6 +43,7 @@ from infra.scratch import scratch_dir
 from infra.storage import open_run_store
 from tasks.generator import GroupResult, GroupSpec, Generator, SnapshotRejected, generate_group, snapshot_dir_for_engines
 from tasks.lag import IN_FLIGHT_TTL_SECONDS, live_producers, publish_in_flight, read_trainer_state, retire_requested, withdraw_in_flight
+from tasks.lease import PipelineWatch
 from tasks.metrics import MetricsLog
 from tasks.snapshots import unpin_snapshot
 
@@ -127,6 +129,7 @@ def generation(config: RunConfig, producer: str = "gen0") -> dict:
 
 def _generate(config: RunConfig, producer: str, cache: Path) -> dict:
     store = open_run_store(config.storage, config.run_id)
+    pipeline = PipelineWatch(store)
     model_dir, version = snapshot_dir_for_engines(config, cache)
     metrics = MetricsLog(store, f"generator-{producer}")
     totals = {"groups": 0, "samples": 0, "engine_restarts": 0, "weight_updates": 0}
@@ -154,7 +157,7 @@ def _generate(config: RunConfig, producer: str, cache: Path) -> dict:
             while start_chunk():
                 pass
 
-        while not read_trainer_state(store).done and not (retiring.due() and not generator.orphans):
+        while not read_trainer_state(store).done and not pipeline.gone() and not (retiring.due() and not generator.orphans):
             if fleet.restart_dead():
                 totals["engine_restarts"] = fleet.restarts
                 metrics.log("engines_restarted", version=fleet.version, engines=fleet.describe(), restarts=fleet.restarts)
@@ -177,13 +180,16 @@ def _generate(config: RunConfig, producer: str, cache: Path) -> dict:
             elif not started:
                 _wait_for_first([c.future for c in in_flight], POLL_SECONDS)
             load.maybe_log(idle_seconds, len(in_flight))
-        if in_flight and read_trainer_state(store).done:
+        if in_flight and (read_trainer_state(store).done or pipeline.gone()):
             fleet.abort_all()
         for chunk in in_flight:
             _record(metrics, totals, chunk.future.result(), fleet.version)
         withdraw_in_flight(store, producer)
     totals.pop("keys", None)
     totals["retired"] = retiring.requested
+    if gone := pipeline.gone():
+        print(f"{producer}: stopped: {gone}")
+        totals["pipeline_gone"] = gone
     metrics.log("finished", busy_seconds=time.monotonic() - busy_since - idle_seconds, idle_seconds=idle_seconds, **totals)
     metrics.flush()
     return totals

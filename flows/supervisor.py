@@ -14,8 +14,11 @@ the pipeline run, and then watches them every `prefect.watch_seconds` until trai
   every slot it claimed before it exits;
 - when training ends the generators stop by themselves (the trainer state says done); any
   still running after `DRAIN_SECONDS` is cancelled. If training failed, or the parent itself
-  fails or is cancelled, every child still running is cancelled, and the parent waits until
-  they are, so that no generation run (and none of its engines) outlives the run.
+  fails or is cancelled, it asks the trainer to stop through storage and cancels every child
+  still running, and waits until they are, so that no generation run (and none of its engines)
+  outlives the run. A cancellation needs the API; the stop request and the lease do not: a
+  child whose pipeline died or released the run stops by itself (tasks/lease.py
+  `PipelineWatch`).
 
 The parent only watches: its children need nothing from it to make progress (they meet in the
 run directory), and nothing from the Prefect server but their own state reports, which Prefect's
@@ -59,6 +62,7 @@ from infra.deployments import RUN_TAG, UNRESPONSIVE_MESSAGE
 from infra.storage import open_run_store
 from tasks.autoscale import autoscale_target, generator_wait_fraction, trainer_idle_fraction
 from tasks.lag import live_producers, request_retire, request_stop, withdraw_retire
+from tasks.lease import PipelineWatch
 from tasks.metrics import read_metrics
 
 DRAIN_SECONDS = 60.0
@@ -151,6 +155,8 @@ class Supervisor:
         self.changed_at = time.monotonic()
         self.api_lost_at: float | None = None
         """When the Prefect API stopped answering the watch loop; None while it answers."""
+        self.pipeline = PipelineWatch(self.store)
+        """This pipeline's hold on the run (it holds the lease while the supervisor runs)."""
 
     def start(self, flow_name: str, **parameters) -> FlowRun:
         name = f"{flow_name}/{self.config.prefect.deployment}"
@@ -173,8 +179,11 @@ class Supervisor:
         try:
             while not (state := self.watch()).is_final():
                 time.sleep(self.config.prefect.watch_seconds)
+            if not state.is_completed():
+                self.stop_children(f"training run {self.training.name} ended {state.name}")
             self.drain(DRAIN_SECONDS if state.is_completed() else 0.0)
-        except BaseException:
+        except BaseException as err:
+            self.stop_children(f"the pipeline failed: {err!r}")
             self.drain(0.0)
             raise
         finally:
@@ -183,10 +192,27 @@ class Supervisor:
         if not state.is_completed():
             raise ChildRunFailed(f"training run {self.training.name} ended {state.name}: {state.message or ''}".strip())
 
+    def stop_children(self, reason: str) -> None:
+        """Ask the trainer to stop through storage, which the children read without the Prefect
+        API (that may be what failed): it marks itself done, on which the generators leave. A
+        trainer marked Crashed for lost heartbeats may still be training, and a cancellation
+        cannot reach children while the API is away. Not once another pipeline has taken the
+        run over: the stop would be its trainer's."""
+        if gone := self.pipeline.gone(now=True):
+            self.log.error("not stopping the children through storage: %s", gone)
+            return
+        try:
+            request_stop(self.store, reason)
+        except Exception as err:  # the failure being handled matters more; the children see the lease go
+            self.log.error("could not ask the children to stop through storage: %r", err)
+
     def watch(self):
         """One look at the children: restart failed generators, follow the wanted count; returns
         the training run's state. While the Prefect API is unavailable it returns the state last
-        seen (not final), so the loop looks again, until `API_OUTAGE_SECONDS` without an answer."""
+        seen (not final), so the loop looks again, until `API_OUTAGE_SECONDS` without an answer.
+        A pipeline that another has taken the run from (it stalled past its lease) gives up."""
+        if gone := self.pipeline.gone():
+            raise ChildRunFailed(f"this pipeline no longer holds the run: {gone}")
         try:
             state = self.state_of(self.training.id)
             if not state.is_final():

@@ -22,20 +22,26 @@ from flows.ui import TrainingProgress, announce_snapshot, due_for_evaluation
 from infra.storage import RunStore, open_run_store
 from tasks.lag import TrainerState, publish_trainer_state, read_trainer_state, stop_reason
 from tasks.learner import Learner
+from tasks.lease import PipelineWatch
 from tasks.metrics import MetricsLog
 from tasks.snapshots import load_snapshot, pin_snapshot
 
 
 class GenerationStopped(RuntimeError):
-    """The generation side failed for good, so no batch will ever come."""
+    """No batch will ever come: the run was asked to stop (its generation side failed for good,
+    its pipeline failed or was interrupted), or the pipeline that started the trainer is gone."""
 
 
 @task(cache_policy=NONE)
-def admit_batch(learner: Learner) -> dict[str, pa.Table]:
+def admit_batch(learner: Learner, pipeline: PipelineWatch) -> dict[str, pa.Table]:
     """Wait for `prompts_per_step` groups within the lag bound; drop and count stale ones."""
-    shards = learner.admit_batch(should_stop=lambda: stop_reason(learner.store) is not None)
+
+    def why_stop() -> str | None:
+        return stop_reason(learner.store) or pipeline.gone()
+
+    shards = learner.admit_batch(should_stop=lambda: why_stop() is not None)
     if shards is None:
-        raise GenerationStopped(f"training stopped at v{learner.version}: {stop_reason(learner.store)}")
+        raise GenerationStopped(f"training stopped at v{learner.version}: {why_stop()}")
     return shards
 
 
@@ -52,16 +58,17 @@ def training(config: RunConfig) -> dict:
     If it fails, the trainer state is marked done first, so that the run's generators stop
     instead of waiting for a trainer that will not come back."""
     store = open_run_store(config.storage, config.run_id)
+    pipeline = PipelineWatch(store)
     try:
         with scratch_dir("tandem-trainer-") as cache:
-            return _train(config, store, cache)
+            return _train(config, store, cache, pipeline)
     except BaseException:
         state = read_trainer_state(store)
         publish_trainer_state(store, TrainerState(state.version, state.lost_groups, done=True))
         raise
 
 
-def _train(config: RunConfig, store: RunStore, cache: Path) -> dict:
+def _train(config: RunConfig, store: RunStore, cache: Path, pipeline: PipelineWatch) -> dict:
     store.clear_staging()  # what a killed trainer left half-written
     initial = load_snapshot(store, cache / "weights", version=0)
     reference = load_model(initial) if config.training.kl_coef > 0 else None  # the KL term's anchor: v0, unchanged
@@ -72,7 +79,7 @@ def _train(config: RunConfig, store: RunStore, cache: Path) -> dict:
         print(f"resumed from checkpoint at version {resumed}")
     progress = TrainingProgress(config, learner.version)
     while learner.version < config.training.steps:
-        record = train_step(learner, admit_batch(learner))
+        record = train_step(learner, admit_batch(learner, pipeline))
         progress.step_done(record)
         if learner.version % config.training.publish_every == 0:
             _announce(config, store, learner.version)

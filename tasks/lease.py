@@ -46,6 +46,10 @@ LEASE_SECONDS = 60.0
 it keeps its run for at most this long (less on its own host, where a dead pid is seen at once)."""
 
 
+WATCH_SECONDS = LEASE_SECONDS / 6
+"""How often a child run reads the lease to see whether its pipeline is still there."""
+
+
 class RunInUse(RuntimeError):
     """Another pipeline holds the run directory."""
 
@@ -115,18 +119,71 @@ def read_lease(store: RunStore) -> dict | None:
     return lease if isinstance(lease, dict) and {"holder", "where", "pid", "at"} <= lease.keys() else None
 
 
+class PipelineWatch:
+    """A child run's check that the pipeline that started it still holds the run.
+
+    A deployed pipeline's children run on other machines, and Prefect stops them only when their
+    parent is cancelled, not when it dies (the trainer box lost) or gives up with the API away:
+    the trainer would then wait for data and the generators hold their GPUs for good, and a
+    resubmitted pipeline would run beside them. The lease says whether their pipeline is still
+    there: it is gone once the record is missing or another pipeline's, once its process is gone
+    (same host, boot and pid namespace), or once it has not been renewed for `LEASE_SECONDS` by
+    the child's own clock: the child times the renewals it sees rather than compare the record's
+    time with its clock, so a host whose clock is off does not stop a healthy run. The holder is
+    the one at the child's start, when its pipeline holds the run; a child started without a
+    pipeline (a flow run by hand, a test) has none to outlive. Storage is read at most once per
+    `interval` (default `WATCH_SECONDS`), and a failed read is not taken for the pipeline's end."""
+
+    def __init__(self, store: RunStore, interval: float | None = None):
+        self.store = store
+        self.interval = WATCH_SECONDS if interval is None else interval
+        lease = read_lease(store)
+        self.holder = lease["holder"] if lease else None
+        self.renewed, self.renewal_seen = (lease or {}).get("at"), time.monotonic()
+        self.checked_at, self.reason = time.monotonic(), None
+
+    def gone(self, now: bool = False) -> str | None:
+        """Why the pipeline is gone; None while it holds the run. `now`: read the lease even if it
+        was read less than `interval` ago."""
+        if self.holder is None or self.reason is not None or (not now and time.monotonic() - self.checked_at < self.interval):
+            return self.reason
+        self.checked_at = time.monotonic()
+        try:
+            lease = read_lease(self.store)
+        except Exception as err:
+            log.warning("could not read the lease of %s: %r", self.store.url, err)
+            return None
+        if lease is None:
+            self.reason = f"pipeline {self.holder} no longer holds {self.store.url}"
+        elif lease["holder"] != self.holder:
+            self.reason = f"pipeline {lease['holder']} took {self.store.url} over from {self.holder}"
+        elif _process_gone_here(lease):
+            self.reason = f"pipeline {self.holder}'s process {lease['pid']} is gone"
+        elif lease["at"] != self.renewed:
+            self.renewed, self.renewal_seen = lease["at"], self.checked_at
+        elif self.checked_at - self.renewal_seen > LEASE_SECONDS:
+            self.reason = f"pipeline {self.holder} has not renewed its lease of {self.store.url} for {self.checked_at - self.renewal_seen:.0f} s"
+        return self.reason
+
+
 def _alive(lease: dict) -> bool:
     if time.time() - float(lease["at"]) >= LEASE_SECONDS:
         return False
-    if lease["where"] != process_namespace():  # another machine, boot or pid namespace: its pid says nothing here
-        return True
+    return not _process_gone_here(lease)
+
+
+def _process_gone_here(lease: dict) -> bool:
+    """Whether the lease's holder process is known to be gone: it ran in this host, boot and pid
+    namespace, where its pid means it, and no process has that pid. Elsewhere its pid says nothing."""
+    if lease["where"] != process_namespace():
+        return False
     try:
         os.kill(int(lease["pid"]), 0)
     except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process: alive
         return True
-    return True
+    except PermissionError:  # someone else's process: alive
+        return False
+    return False
 
 
 def process_namespace() -> list[str]:

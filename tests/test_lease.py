@@ -13,7 +13,7 @@ import pytest
 
 from infra.storage import RunStore
 from tasks import lease
-from tasks.lease import LEASE_KEY, RunInUse, check_run_free, claim_run, hold_run, process_namespace, read_lease
+from tasks.lease import LEASE_KEY, PipelineWatch, RunInUse, check_run_free, claim_run, hold_run, process_namespace, read_lease
 
 
 def test_a_second_pipeline_is_refused_while_the_first_holds_the_run(store: RunStore):
@@ -96,3 +96,33 @@ def test_a_holder_that_lost_its_lease_does_not_take_it_back(store: RunStore, mon
         time.sleep(1.2)  # more than a renewal interval
         assert read_lease(store)["holder"] == "successor (2)"
     assert read_lease(store)["holder"] == "successor (2)"
+
+
+def test_a_child_sees_its_pipeline_go(store: RunStore, monkeypatch):
+    """A deployed pipeline's children run on other machines, and Prefect does not stop them when
+    it dies or gives up: they read its lease to know."""
+    monkeypatch.setattr(lease, "LEASE_SECONDS", 1.0)
+    assert PipelineWatch(store, interval=0).gone() is None, "started without a pipeline: none to outlive"
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    ended = [("released", lambda: store.delete(LEASE_KEY), "pipeline p (1) no longer holds"),
+             ("taken over", lambda: _write_lease(store, holder="q (2)"), "pipeline q (2) took"),
+             ("not renewed", lambda: time.sleep(1.2), "p (1) has not renewed its lease"),
+             ("process gone here", lambda: _write_lease(store, holder="p (1)", where=process_namespace(), pid=int(gone.stdout)),
+              "p (1)'s process")]  # fmt: skip
+    for case, end, said in ended:
+        _write_lease(store, holder="p (1)", at=123.0)  # a clock far off: the child times renewals itself
+        watch = PipelineWatch(store, interval=0)
+        _write_lease(store, holder="p (1)", at=124.0)  # a renewal
+        assert watch.holder == "p (1)" and watch.gone() is None, case
+        end()
+        assert said in (watch.gone() or ""), case
+        _write_lease(store, holder="p (1)")
+        assert said in watch.gone(), f"{case}: a pipeline gone stays gone"
+
+
+def test_a_child_reads_the_lease_once_an_interval_unless_told_to_now(store: RunStore):
+    _write_lease(store, holder="p (1)")
+    watch = PipelineWatch(store, interval=3600)
+    store.delete(LEASE_KEY)
+    assert watch.gone() is None
+    assert "no longer holds" in watch.gone(now=True)

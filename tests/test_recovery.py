@@ -6,17 +6,22 @@ runs in tests/test_faults.py."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
 from configs import TINY_CONFIG, load_config
-from flows.training import training
+from flows.generation import generation
+from flows.training import GenerationStopped, training
 from infra.manifest import ManifestError
 from tasks.lag import read_trainer_state
+from tasks.lease import LEASE_KEY
 from tasks.rundir import initialize_run
 from tests.test_pipeline import ROOT, CopyEnv
 
@@ -60,3 +65,34 @@ def test_a_trainer_that_fails_marks_itself_done_so_that_generators_stop(tmp_path
     with pytest.raises(ManifestError):
         training.fn(config)
     assert read_trainer_state(store).done
+
+
+def test_a_trainer_and_generator_whose_pipeline_is_gone_stop_by_themselves(tmp_path: Path, monkeypatch):
+    """A deployed parent that died with its machine, or gave up with the Prefect API away, cannot
+    cancel its children: they stop when its lease goes, rather than hold their GPUs for good."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    monkeypatch.setattr("tasks.lease.WATCH_SECONDS", 0.5)
+    config = load_config(TINY_CONFIG, [f"storage.root=file://{tmp_path}", "run_id=orphans", "training.steps=200", *SMALL_RUN])
+    store = initialize_run(config)
+    record = {"holder": "dead (1)", "where": ["elsewhere", "", ""], "pid": 1, "at": time.time()}
+    store.write_atomic(LEASE_KEY, json.dumps(record).encode())
+    outcome = {}
+
+    def generate() -> None:
+        outcome["generator"] = generation(config, "gen0")
+
+    def die_once_training_runs() -> None:
+        while read_trainer_state(store).version < 2:
+            time.sleep(0.2)
+        store.delete(LEASE_KEY)  # what the pipeline's end does; a lapsed record reads the same
+
+    with prefect_test_harness():
+        threads = [threading.Thread(target=generate), threading.Thread(target=die_once_training_runs, daemon=True)]
+        for thread in threads:
+            thread.start()
+        with pytest.raises(GenerationStopped, match="pipeline dead \\(1\\) no longer holds"):
+            training(config)
+        threads[0].join(timeout=120)
+    assert read_trainer_state(store).done and 2 <= read_trainer_state(store).version < 200
+    assert "pipeline dead (1) no longer holds" in outcome["generator"]["pipeline_gone"]

@@ -4,6 +4,7 @@ are spent."""
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from types import SimpleNamespace
@@ -16,6 +17,8 @@ from prefect.states import Completed, Running
 import flows.supervisor as supervisor
 from flows.supervisor import ChildRunFailed, Supervisor
 from flows.ui import api_unavailable, best_effort
+from tasks.lag import stop_reason
+from tasks.lease import LEASE_KEY, PipelineWatch
 
 
 def _status_error(code: int) -> httpx.HTTPStatusError:
@@ -46,6 +49,7 @@ def _supervisor(states) -> Supervisor:
     parent = Supervisor.__new__(Supervisor)
     parent.client, parent.log = FlakyClient(states), logging.getLogger("test")
     parent.training, parent.training_state, parent.api_lost_at = SimpleNamespace(id=uuid4(), name="t"), Running(), None
+    parent.pipeline = SimpleNamespace(gone=lambda now=False: None)  # it holds the run
     parent.restart_failed_generators = lambda: None
     parent.scale_to = lambda wanted: None
     parent.wanted_generators = lambda: 1
@@ -78,3 +82,38 @@ def test_ui_artifacts_are_best_effort_while_the_api_is_away():
     assert best_effort(failing)(_status_error(503)) is None
     with pytest.raises(httpx.HTTPStatusError):
         best_effort(failing)(_status_error(404))
+
+
+class AwayClient(FlakyClient):
+    """A Prefect API that stays away: reads and cancellations fail as Prefect's client does."""
+
+    def set_flow_run_state(self, run_id, state, force=False):
+        raise httpx.ConnectError("refused")
+
+
+def _hold(store, holder: str) -> None:
+    record = {"holder": holder, "where": ["elsewhere", "", ""], "pid": 1, "at": time.time()}
+    store.write_atomic(LEASE_KEY, json.dumps(record).encode())
+
+
+@pytest.mark.parametrize("taken_over", [False, True])
+def test_a_parent_that_gives_up_with_the_api_away_stops_its_children_through_storage(file_store, monkeypatch, taken_over):
+    """A cancellation cannot reach the children while the API is away, and a trainer left running
+    would wait for data for good: the parent asks it to stop through the run directory, unless
+    another pipeline has taken the run over (the stop would then be that pipeline's trainer's)."""
+    monkeypatch.setattr(supervisor, "API_OUTAGE_SECONDS", 0.0)
+    monkeypatch.setattr(supervisor, "CANCEL_WAIT_SECONDS", 0.0)
+    _hold(file_store, "this (1)")
+    parent = _supervisor([])
+    parent.client = AwayClient([httpx.ConnectError("refused")] * 20)
+    parent.config = SimpleNamespace(prefect=SimpleNamespace(generators=0, watch_seconds=0.01), run_id="r")
+    parent.store, parent.pipeline, parent.generators, parent.retiring = file_store, PipelineWatch(file_store, interval=0), {}, {}
+    parent.target, parent.start = 0, lambda flow_name, **_: SimpleNamespace(id=uuid4(), name=flow_name, state=Running())
+    monkeypatch.setattr(supervisor, "clear_scale_request", lambda run_id: None)
+    if taken_over:
+        _hold(file_store, "successor (2)")
+    with pytest.raises(ChildRunFailed, match="unavailable" if not taken_over else "no longer holds the run"):
+        parent.run()
+    assert (stop_reason(file_store) is None) == taken_over
+    if not taken_over:
+        assert "the Prefect API has been unavailable" in stop_reason(file_store)
