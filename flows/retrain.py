@@ -38,9 +38,14 @@ def retrain(
     new_run_id: RunId | None = None,
     storage_root: Annotated[str, Field(pattern=r"^(file|s3|memory)://")] | None = None,
 ) -> dict:
-    """Retrain `run_id` (under `storage_root`, default: configs/deployed.yaml's) for `steps` steps."""
-    root = storage_root or load_config(DEPLOYED_CONFIG).storage.root
-    source = load_run_config(f"{root.rstrip('/')}/{run_id}")
+    """Retrain `run_id` (under `storage_root`, default: configs/deployed.yaml's) for `steps` steps.
+    The run directory is reached as configs/deployed.yaml says (its endpoint and Secret block, if
+    it names them; else the worker's environment)."""
+    deployed = load_config(DEPLOYED_CONFIG).storage
+    root = storage_root or deployed.root
+    reach = [f"storage.{field}={value}" for field, value in (("endpoint_url", deployed.endpoint_url),
+                                                             ("credentials_block", deployed.credentials_block)) if value]  # fmt: skip
+    source = load_run_config(f"{root.rstrip('/')}/{run_id}", reach)
     if not source.env.eval_prompts:
         raise ValueError(f"run {run_id} has env.eval_prompts 0: retraining promotes by the held-out score, "
                          "so the run needs held-out prompts")  # fmt: skip

@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 
 from configs.loader import ConfigError, apply_override, validate_config
-from configs.schema import MASKED_SECRET, RunConfig, StorageConfig, is_run_id
+from configs.schema import MASKED_SECRET, RunConfig, is_run_id
 from infra.modelfactory import given_model_dir, load_model, load_tokenizer, prepare_initial_model
 from infra.storage import RunStore, StorageRejected, open_run_store
 from tasks.envs import EnvironmentLoadError, load_environment
@@ -74,7 +74,8 @@ def load_run_config(run_url: str, overrides: list[str] | tuple[str, ...] = ()) -
     (run_id and storage.root excepted: the URL names them).
 
     Secrets are recorded masked, so they are dropped here and come from the environment (or an
-    override) again."""
+    override) again. The storage overrides (an endpoint, credentials, a Secret block) are also how
+    config.json itself is read."""
     root, _, run_id = run_url.rstrip("/").rpartition("/")
     if not root or "://" not in root:
         raise ConfigError(f"{run_url!r} is not a run directory URL like file:///path/runs/RUN_ID")
@@ -89,11 +90,12 @@ def load_run_config(run_url: str, overrides: list[str] | tuple[str, ...] = ()) -
                 f"--set {override!r}: the run URL {run_url} names the run and its root; "
                 "to score another run, give its URL"
             )
-    storage = {"root": root}
+    reach: dict = {}  # how to read config.json itself: the storage overrides (endpoint, credentials block)
     for override in overrides:
-        if override.startswith("storage.endpoint_url="):
-            storage["endpoint_url"] = override.partition("=")[2]
-    store = open_run_store(StorageConfig(**storage), run_id)
+        if override.startswith("storage."):
+            apply_override(reach, override)
+    storage = validate_config({"storage": reach.get("storage", {}) | {"root": root}}).storage
+    store = open_run_store(storage, run_id)
     try:
         recorded = read_recorded_config(store)
     except FileNotFoundError:

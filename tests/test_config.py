@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from configs import CONFIG_DIR, ConfigError, RunConfig, load_config
 from configs.loader import validate_config
 from flows.cli import app, resolve_config
-from tasks.rundir import load_run_config
+from tasks.rundir import initialize_run, load_run_config
 
 runner = CliRunner()
 
@@ -195,6 +195,25 @@ def test_a_run_is_found_however_its_root_is_spelt_and_its_url_names_it(tmp_path:
     monkeypatch.chdir(tmp_path / "moved")
     config = load_run_config(f"file://{tmp_path}/moved/copy")
     assert (config.storage.root, config.run_id) == (f"file://{tmp_path}/moved", "copy")
+
+
+@pytest.mark.s3
+def test_a_run_on_s3_is_read_back_as_its_storage_overrides_say(seaweed, monkeypatch):
+    """`tandem eval s3://...` and retrain read config.json before they know the run's config: the
+    storage overrides (endpoint, credentials, Secret block) are how they reach it."""
+    from tests.conftest import s3_storage_config
+
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL"):
+        monkeypatch.delenv(name, raising=False)
+    storage = s3_storage_config(seaweed)
+    config = load_config(CONFIG_DIR / "tiny.yaml", ["run_id=on-s3", f"storage.root={storage.root}",
+                                                    f"storage.endpoint_url={seaweed.endpoint_url}", "storage.key=k", "storage.secret=s"])  # fmt: skip
+    initialize_run(config)
+    reach = [f"storage.endpoint_url={seaweed.endpoint_url}", "storage.key=k", "storage.secret=s"]
+    loaded = load_run_config(f"{storage.root}/on-s3", reach)
+    assert loaded.run_id == "on-s3" and loaded.storage.endpoint_url == seaweed.endpoint_url
+    with pytest.raises(Exception, match="[Cc]redentials"):
+        load_run_config(f"{storage.root}/on-s3", reach[:1])
 
 
 def test_eval_of_a_run_without_held_out_prompts_exits_2_saying_how_to_give_it_some(tmp_path: Path):
