@@ -19,7 +19,8 @@ import tempfile
 from pathlib import Path
 from typing import Annotated
 
-from prefect import flow
+from prefect import flow, tags
+from prefect.runtime import flow_run
 from pydantic import Field
 
 from configs import DEPLOYED_CONFIG, load_config
@@ -50,15 +51,16 @@ def retrain(
         raise ValueError(f"run {run_id} has env.eval_prompts 0: retraining promotes by the held-out score, "
                          "so the run needs held-out prompts")  # fmt: skip
     source_store = open_run_store(source.storage, source.run_id)
-    if new_run_id is None:
-        config = _continued(source, source_store, steps)
-        print(f"continuing run {run_id} from step {config.training.steps - steps} to {config.training.steps}")
-        summary = pipeline(config)
-    else:
-        with tempfile.TemporaryDirectory(prefix="tandem-retrain-") as cache:
-            config = _successor(source, source_store, new_run_id, steps, Path(cache))
-            print(f"starting run {new_run_id} from snapshot v{latest_version(source_store)} of {run_id}")
+    with tags(*flow_run.tags):  # the pipeline runs in this process: without them it would lack RUN_TAG, which `tandem scale` looks for
+        if new_run_id is None:
+            config = _continued(source, source_store, steps)
+            print(f"continuing run {run_id} from step {config.training.steps - steps} to {config.training.steps}")
             summary = pipeline(config)
+        else:
+            with tempfile.TemporaryDirectory(prefix="tandem-retrain-") as cache:
+                config = _successor(source, source_store, new_run_id, steps, Path(cache))
+                print(f"starting run {new_run_id} from snapshot v{latest_version(source_store)} of {run_id}")
+                summary = pipeline(config)
     store = open_run_store(config.storage, config.run_id)
     version = latest_version(store)
     baseline = summary["eval_before"]

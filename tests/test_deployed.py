@@ -161,6 +161,8 @@ def test_retrain_continues_the_run(deployment, finished):
                          "--param", "steps=2", "--param", f"storage_root=s3://{deployment.bucket}/runs")  # fmt: skip
     run = deployment.wait_final(_flow_run_id(out))
     assert run.state.is_completed(), run.state.message
+    [pipeline_run] = [r for name, r in deployment.children(str(run.id)) if name == "pipeline"]
+    assert RUN_TAG in pipeline_run.tags, "the retrained pipeline is one `tandem scale` finds"
     steps = [r["version"] for r in read_metrics(store, "trainer") if r["event"] == "train_step"]
     assert sorted(set(steps)) == list(range(1, 9)), "versions continue from 6 to 8"
     assert snapshot_versions(store)[-1] == 8
