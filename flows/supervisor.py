@@ -70,8 +70,9 @@ DRAIN_SECONDS = 60.0
 
 
 CANCEL_WAIT_SECONDS = 60.0
-"""How long the parent waits for the children it cancelled to be stopped (their worker stops
-the whole process group, engines included) before it reports them and ends anyway."""
+"""How long the parent waits for the children it cancelled to be stopped (their worker kills the
+flow run's process; its engines, in sessions of their own, stop when they see it gone) before it
+reports them and ends anyway."""
 
 
 API_OUTAGE_SECONDS = 600.0

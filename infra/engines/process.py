@@ -3,7 +3,9 @@
 Both backends run as separate processes behind the same HTTP API: the CPU engine
 (`python -m flows.cli engine serve`) and SGLang (`python -m sglang.launch_server`, see sglang.py).
 An `EngineProcess` is started in a new session so that stopping it signals its own process group
-only (SGLang forks scheduler and detokenizer children), never anything else on the machine.
+only (SGLang forks scheduler and detokenizer children), never anything else on the machine. An
+engine must not outlive the process that started it: the CPU engine watches its parent itself,
+SGLang runs under infra/engines/guard.py.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from pathlib import Path
 import httpx
 
 from configs.schema import SimLatencyConfig
+from infra.engines.guard import guarded
 
 
 class EngineStartError(RuntimeError):
@@ -27,11 +30,14 @@ class EngineStartError(RuntimeError):
 class EngineProcess:
     """One engine server process listening on `url`."""
 
-    def __init__(self, command: list[str], url: str, log_path: Path, env: dict[str, str] | None = None):
+    def __init__(self, command: list[str], url: str, log_path: Path, env: dict[str, str] | None = None, guard: bool = False):
         self.command = command
         self.url = url
         self.log_path = log_path
         self.env = env
+        self.guard = guard
+        """Run `command` under infra/engines/guard.py, which stops it if this process dies: for a
+        server that does not watch its parent itself (SGLang)."""
         self.process: subprocess.Popen | None = None
 
     @property
@@ -47,7 +53,7 @@ class EngineProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
-                self.command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                guarded(self.command) if self.guard else self.command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 env=os.environ | (self.env or {}), start_new_session=True,
             )  # fmt: skip
         return self

@@ -3,7 +3,8 @@
 Why only a launcher: SGLang serves the same native HTTP API as tandem's CPU engine (api.py is
 the shared contract), so the rollout client is the same code for both backends. This module builds
 the `python -m sglang.launch_server` command and runs it as an `EngineProcess` (own session, wait
-for /health, SIGTERM to its own process group). It imports nothing of SGLang and loads without it;
+for /health, SIGTERM to its own process group, stopped by infra/engines/guard.py if the process
+that started it dies). It imports nothing of SGLang and loads without it;
 tests/test_sglang_compat.py checks every flag it passes against SGLang's recorded CLI.
 
 The API key stays off the command line, where `ps` shows it to every local user: it goes in a 0600
@@ -127,7 +128,7 @@ class SGLangEngineProcess(EngineProcess):
         command = sglang_server_args(
             engine, model_path, port, weight_version, seed, dtype=dtype, config_file=self.config_file, base_gpu_id=base_gpu_id
         )
-        super().__init__(command, f"http://{_connect_host(engine.host)}:{port}", log_path, env=SGLANG_ENV)
+        super().__init__(command, f"http://{_connect_host(engine.host)}:{port}", log_path, env=SGLANG_ENV, guard=True)
 
     def start(self, timeout: float = 900.0) -> SGLangEngineProcess:
         """Start SGLang and return once GET /health answers 200 (model load can take minutes)."""

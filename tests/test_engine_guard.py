@@ -1,0 +1,62 @@
+"""infra/engines/guard.py: an engine that does not watch its parent (SGLang) stops when the process
+that started it dies, and still stops as usual when asked to. The command here is a stand-in
+that writes its pid and sleeps: what matters is the process group around it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from infra.engines.process import EngineProcess
+
+SLEEPER = "import os, time; print(os.getpid(), flush=True); time.sleep(600)"
+
+
+def _pid_in(log: Path, within: float = 30.0) -> int:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        text = log.read_text() if log.exists() else ""
+        if text.strip():
+            return int(text.split()[0])
+        time.sleep(0.1)
+    raise AssertionError(f"nothing in {log}")
+
+
+def _gone_within(pid: int, within: float) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.1)
+    os.kill(pid, 9)
+    return False
+
+
+def test_a_guarded_engine_stops_when_the_process_that_started_it_is_killed(tmp_path: Path):
+    log = tmp_path / "engine.log"
+    starter = (
+        "import sys, time; from pathlib import Path; from infra.engines.process import EngineProcess; "
+        f"p = EngineProcess([sys.executable, '-c', {SLEEPER!r}], 'http://127.0.0.1:9', Path({str(log)!r}), guard=True).launch(); "
+        "time.sleep(600)"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", starter], cwd=Path(__file__).resolve().parents[1])
+    engine = _pid_in(log)
+    parent.kill()
+    parent.wait()
+    assert _gone_within(engine, 15), "the engine outlived the process that started it"
+    assert "is gone; stopping it" in log.read_text()
+
+
+def test_a_guarded_engine_stops_when_asked_and_its_guard_with_it(tmp_path: Path):
+    process = EngineProcess([sys.executable, "-c", SLEEPER], "http://127.0.0.1:9", tmp_path / "engine.log", guard=True).launch()
+    engine = _pid_in(tmp_path / "engine.log")
+    assert engine != process.pid, "the guard leads the group, the engine runs under it"
+    started = time.monotonic()
+    process.stop(grace=10)
+    assert time.monotonic() - started < 5 and not process.is_running()
+    assert _gone_within(engine, 1)
