@@ -313,7 +313,7 @@ class DaskConfig(Section):
     """The Dask cluster that runs episodes, tool calls and rewards."""
 
     address: str | None = None
-    """Scheduler address of an existing cluster; null starts a LocalCluster."""
+    """Scheduler address of an existing cluster on the generator's machine (its workers reach the engines on engine.host); null starts a LocalCluster."""
     n_workers: int = Field(2, ge=1, le=1024)
     """Worker processes of the LocalCluster."""
     threads_per_worker: int = Field(4, ge=1, le=256)
