@@ -113,23 +113,26 @@ def dask_task_runner(config: RunConfig) -> DaskTaskRunner:
 
 
 @flow(name="generation", log_prints=True)
-def generation(config: RunConfig, producer: str = "gen0") -> dict:
-    """Generate rollouts for `config`'s run until its trainer is done; returns counts. Its pin
-    goes with it, however it ends: a retired or failed generator's version would be kept for good
-    (a restart of the same producer pins again)."""
+def generation(config: RunConfig, producer: str = "gen0", pipeline_claim: str | None = None) -> dict:
+    """Generate rollouts for `config`'s run until its trainer is done, or the pipeline whose lease
+    claim is `pipeline_claim` no longer holds the run; returns counts. Its pin goes with it,
+    however it ends: a retired or failed generator's version would be kept for good (a restart
+    of the same producer pins again)."""
+    store = open_run_store(config.storage, config.run_id)
+    pipeline = PipelineWatch(store, pipeline_claim)
     try:
         with scratch_dir(f"tandem-{producer}-") as cache:
-            return _generate(config, producer, cache)
+            return _generate(config, producer, cache, pipeline)
     finally:
         try:
-            unpin_snapshot(open_run_store(config.storage, config.run_id), producer)
+            if pipeline.successor is None:  # else the pin is the successor's generator of this name
+                unpin_snapshot(store, producer)
         except Exception as err:  # the run's own outcome matters more; a restart of it pins again
             print(f"{producer}: could not drop its snapshot pin: {err!r}")
 
 
-def _generate(config: RunConfig, producer: str, cache: Path) -> dict:
-    store = open_run_store(config.storage, config.run_id)
-    pipeline = PipelineWatch(store)
+def _generate(config: RunConfig, producer: str, cache: Path, pipeline: PipelineWatch) -> dict:
+    store = pipeline.store
     model_dir, version = snapshot_dir_for_engines(config, cache)
     metrics = MetricsLog(store, f"generator-{producer}")
     totals = {"groups": 0, "samples": 0, "engine_restarts": 0, "weight_updates": 0}
@@ -180,16 +183,17 @@ def _generate(config: RunConfig, producer: str, cache: Path) -> dict:
             elif not started:
                 _wait_for_first([c.future for c in in_flight], POLL_SECONDS)
             load.maybe_log(idle_seconds, len(in_flight))
-        if in_flight and (read_trainer_state(store).done or pipeline.gone()):
+        if in_flight and (read_trainer_state(store).done or pipeline.reason is not None):
             fleet.abort_all()
         for chunk in in_flight:
             _record(metrics, totals, chunk.future.result(), fleet.version)
-        withdraw_in_flight(store, producer)
+        if pipeline.successor is None:  # else the record is the successor's generator of this name
+            withdraw_in_flight(store, producer)
     totals.pop("keys", None)
     totals["retired"] = retiring.requested
-    if gone := pipeline.gone():
-        print(f"{producer}: stopped: {gone}")
-        totals["pipeline_gone"] = gone
+    if pipeline.reason is not None:
+        print(f"{producer}: stopped: {pipeline.reason}")
+        totals["pipeline_gone"] = pipeline.reason
     metrics.log("finished", busy_seconds=time.monotonic() - busy_since - idle_seconds, idle_seconds=idle_seconds, **totals)
     metrics.flush()
     return totals

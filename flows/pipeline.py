@@ -72,9 +72,9 @@ def initialize(config: RunConfig) -> str:
 
 
 @task(cache_policy=NONE)
-def run_generation(config: RunConfig, producer: str) -> dict:
+def run_generation(config: RunConfig, producer: str, claim: str) -> dict:
     try:
-        return generation(config, producer)
+        return generation(config, producer, claim)
     except BaseException as err:
         request_stop(open_run_store(config.storage, config.run_id), f"generation {producer} failed: {err!r}"[:2000])
         raise
@@ -89,8 +89,8 @@ def share_prefect_api_with_workers() -> None:
 
 
 @task(cache_policy=NONE)
-def run_training(config: RunConfig) -> dict:
-    return training(config)
+def run_training(config: RunConfig, claim: str) -> dict:
+    return training(config, claim)
 
 
 @flow(name="pipeline", log_prints=True)
@@ -119,23 +119,23 @@ def pipeline(config: RunConfig | None = None, run_id: RunId | None = None) -> di
     share_prefect_api_with_workers()
     store = open_run_store(config.storage, config.run_id)
     check_run_inputs(config, store)  # a typo is refused before the lease: the run directory stays as it was
-    with hold_run(store, f"{flow_run.get_name()} ({flow_run.get_id()})"):  # RunInUse: another pipeline has it
+    with hold_run(store, f"{flow_run.get_name()} ({flow_run.get_id()})") as claim:  # RunInUse: another pipeline has it
         if config.prefect.mode == "deployed":
             clear_scale_request(config.run_id)
         url = initialize(config)
         print(f"run directory: {url}")
-        return _train_and_report(config, store, url)
+        return _train_and_report(config, store, url, claim)
 
 
-def _train_and_report(config: RunConfig, store: RunStore, url: str) -> dict:
+def _train_and_report(config: RunConfig, store: RunStore, url: str, claim: str) -> dict:
     reopen_run(store)
     before = score_newest_snapshot(config, store)
     if config.prefect.mode == "deployed":
-        Supervisor(config).run()
+        Supervisor(config, claim).run()
     else:
         producers = [f"gen{i}" for i in range(config.prefect.generators)]
-        generators = [run_generation.submit(config, producer) for producer in producers]
-        trainer = run_training.submit(config)
+        generators = [run_generation.submit(config, producer, claim) for producer in producers]
+        trainer = run_training.submit(config, claim)
         try:
             watch_run(config, [trainer, *generators])
         except BaseException as err:

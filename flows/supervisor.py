@@ -61,7 +61,7 @@ from flows.ui import api_unavailable
 from infra.deployments import RUN_TAG, UNRESPONSIVE_MESSAGE
 from infra.storage import open_run_store
 from tasks.autoscale import autoscale_target, generator_wait_fraction, trainer_idle_fraction
-from tasks.lag import live_producers, request_retire, request_stop, withdraw_retire
+from tasks.lag import live_producers, request_retire, request_stop, stop_reason, withdraw_retire
 from tasks.lease import PipelineWatch
 from tasks.metrics import read_metrics
 
@@ -134,12 +134,12 @@ def running_pipeline(run_id: str) -> FlowRun | None:
 class Supervisor:
     """The child runs of one deployed pipeline run, and what the parent does about them."""
 
-    def __init__(self, config: RunConfig):
+    def __init__(self, config: RunConfig, claim: str):
         self.config = config
         self.store = open_run_store(config.storage, config.run_id)
         self.client = get_client(sync_client=True)
         self.log = get_run_logger()
-        self.parameters = {"config": config.as_parameters(secrets=True)}
+        self.parameters = {"config": config.as_parameters(secrets=True), "pipeline_claim": claim}
         self.training: FlowRun | None = None
         self.generators: dict[str, UUID] = {}
         """Producer id -> flow run id of each generation run that should be generating."""
@@ -156,7 +156,7 @@ class Supervisor:
         self.changed_at = time.monotonic()
         self.api_lost_at: float | None = None
         """When the Prefect API stopped answering the watch loop; None while it answers."""
-        self.pipeline = PipelineWatch(self.store)
+        self.pipeline = PipelineWatch(self.store, claim)
         """This pipeline's hold on the run (it holds the lease while the supervisor runs)."""
 
     def start(self, flow_name: str, **parameters) -> FlowRun:
@@ -199,11 +199,13 @@ class Supervisor:
         trainer marked Crashed for lost heartbeats may still be training, and a cancellation
         cannot reach children while the API is away. Not once another pipeline has taken the
         run over: the stop would be its trainer's."""
-        if gone := self.pipeline.gone(now=True):
-            self.log.error("not stopping the children through storage: %s", gone)
+        self.pipeline.gone(now=True)
+        if self.pipeline.successor is not None:
+            self.log.error("not stopping the children through storage: %s", self.pipeline.reason)
             return
         try:
-            request_stop(self.store, reason)
+            if stop_reason(self.store) is None:  # the first cause is the one to keep
+                request_stop(self.store, reason)
         except Exception as err:  # the failure being handled matters more; the children see the lease go
             self.log.error("could not ask the children to stop through storage: %r", err)
 
@@ -212,8 +214,8 @@ class Supervisor:
         the training run's state. While the Prefect API is unavailable it returns the state last
         seen (not final), so the loop looks again, until `API_OUTAGE_SECONDS` without an answer.
         A pipeline that another has taken the run from (it stalled past its lease) gives up."""
-        if gone := self.pipeline.gone():
-            raise ChildRunFailed(f"this pipeline no longer holds the run: {gone}")
+        if self.pipeline.gone() and self.pipeline.successor is not None:
+            raise ChildRunFailed(f"this pipeline no longer holds the run: {self.pipeline.reason}")
         try:
             state = self.state_of(self.training.id)
             if not state.is_final():

@@ -52,19 +52,22 @@ def train_step(learner: Learner, shards: dict[str, pa.Table]) -> dict:
 
 
 @flow(name="training", log_prints=True)
-def training(config: RunConfig) -> dict:
-    """Train `config`'s run to `training.steps`, resuming from its newest checkpoint.
+def training(config: RunConfig, pipeline_claim: str | None = None) -> dict:
+    """Train `config`'s run to `training.steps`, resuming from its newest checkpoint; between
+    steps, stop if the pipeline whose lease claim is `pipeline_claim` no longer holds the run.
 
     If it fails, the trainer state is marked done first, so that the run's generators stop
-    instead of waiting for a trainer that will not come back."""
+    instead of waiting for a trainer that will not come back; not if another pipeline has taken
+    the run over, whose trainer the state is now."""
     store = open_run_store(config.storage, config.run_id)
-    pipeline = PipelineWatch(store)
+    pipeline = PipelineWatch(store, pipeline_claim)
     try:
         with scratch_dir("tandem-trainer-") as cache:
             return _train(config, store, cache, pipeline)
     except BaseException:
-        state = read_trainer_state(store)
-        publish_trainer_state(store, TrainerState(state.version, state.lost_groups, done=True))
+        if pipeline.successor is None:
+            state = read_trainer_state(store)
+            publish_trainer_state(store, TrainerState(state.version, state.lost_groups, done=True))
         raise
 
 

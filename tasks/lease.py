@@ -31,6 +31,7 @@ import os
 import socket
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -48,6 +49,10 @@ it keeps its run for at most this long (less on its own host, where a dead pid i
 
 WATCH_SECONDS = LEASE_SECONDS / 6
 """How often a child run reads the lease to see whether its pipeline is still there."""
+STALE_SECONDS = 2 * LEASE_SECONDS
+"""How long a child waits for a renewal before it takes its pipeline for dead: longer than a
+claimant waits (a successor's claim is seen sooner, as another claim), so that a renewer held up
+by a slow store (each attempt retries for up to storage.retry_seconds) stops nothing."""
 
 
 class RunInUse(RuntimeError):
@@ -55,46 +60,50 @@ class RunInUse(RuntimeError):
 
 
 @contextmanager
-def hold_run(store: RunStore, holder: str) -> Iterator[None]:
-    """Hold `store`'s run for the body: RunInUse if another live pipeline holds it."""
-    claim_run(store, holder)
+def hold_run(store: RunStore, holder: str) -> Iterator[str]:
+    """Hold `store`'s run for the body, which gets the claim's id (for the children to watch it:
+    `PipelineWatch`); RunInUse if another live pipeline holds it."""
+    claim = claim_run(store, holder)
     stop = threading.Event()
 
     def renew() -> None:
         while not stop.wait(LEASE_SECONDS / 3):
             try:
                 current = read_lease(store)
-                if current is not None and current["holder"] != holder:
+                if current is not None and current.get("claim") != claim:
                     log.error("lost the lease of %s to pipeline %s (this one stalled past %.0f s): no longer renewing it",
                               store.url, current["holder"], LEASE_SECONDS)  # fmt: skip
                     return
-                store.write_atomic(LEASE_KEY, _record(holder))
+                store.write_atomic(LEASE_KEY, _record(holder, claim))
             except Exception as err:  # storage trouble: the next renewal tries again, well within the lease
                 log.warning("could not renew the lease of %s: %r", store.url, err)
 
     renewer = threading.Thread(target=renew, name="tandem-run-lease", daemon=True)
     renewer.start()
     try:
-        yield
+        yield claim
     finally:
         stop.set()
         renewer.join()
         try:
-            if (read_lease(store) or {}).get("holder") == holder:
+            if (read_lease(store) or {}).get("claim") == claim:
                 store.delete(LEASE_KEY)
         except Exception as err:  # the body's own outcome matters more; the lease lapses anyway
             log.warning("could not release the lease of %s (it lapses in %.0f s): %r", store.url, LEASE_SECONDS, err)
 
 
-def claim_run(store: RunStore, holder: str) -> None:
-    """Take the lease for `holder` (a new claim, or its own again, or a lapsed one); RunInUse
-    naming the holder otherwise."""
-    if store.put_if_absent(LEASE_KEY, _record(holder)):
-        return
+def claim_run(store: RunStore, holder: str) -> str:
+    """Take the lease for `holder` (a new claim, or its own again, or a lapsed one) and return
+    the claim's id; RunInUse naming the holder otherwise. Every claim has an id of its own: a
+    retried flow run has the holder's name of the attempt it replaces, not its children."""
+    claim = uuid.uuid4().hex
+    if store.put_if_absent(LEASE_KEY, _record(holder, claim)):
+        return claim
     check_run_free(store, holder)
-    store.write_atomic(LEASE_KEY, _record(holder))
+    store.write_atomic(LEASE_KEY, _record(holder, claim))
     time.sleep(SETTLE_SECONDS)
     check_run_free(store, holder)  # another claimant's takeover overwrote this one
+    return claim
 
 
 def check_run_free(store: RunStore, holder: str | None = None) -> None:
@@ -125,44 +134,48 @@ class PipelineWatch:
     A deployed pipeline's children run on other machines, and Prefect stops them only when their
     parent is cancelled, not when it dies (the trainer box lost) or gives up with the API away:
     the trainer would then wait for data and the generators hold their GPUs for good, and a
-    resubmitted pipeline would run beside them. The lease says whether their pipeline is still
-    there: it is gone once the record is missing or another pipeline's, once its process is gone
-    (same host, boot and pid namespace), or once it has not been renewed for `LEASE_SECONDS` by
-    the child's own clock: the child times the renewals it sees rather than compare the record's
-    time with its clock, so a host whose clock is off does not stop a healthy run. The holder is
-    the one at the child's start, when its pipeline holds the run; a child started without a
-    pipeline (a flow run by hand, a test) has none to outlive. Storage is read at most once per
-    `interval` (default `WATCH_SECONDS`), and a failed read is not taken for the pipeline's end."""
+    resubmitted pipeline would run beside them. The pipeline passes its children its claim's id
+    (`hold_run`), and the lease says whether that claim still holds the run: it is gone once the
+    record is missing or another claim's (`successor` then names its holder: the child must
+    leave the run's shared state to it), once its process is gone (same host, boot and pid
+    namespace), or once it has not been renewed for `STALE_SECONDS` of successful reads by the
+    child's own clock. The child times the renewals it sees rather than compare the record's time
+    with its clock, so a host whose clock is off does not stop a healthy run, and a read that fails
+    (storage away) restarts that clock rather than counting towards it. A child given no claim (a
+    flow run by hand, a test) has no pipeline to outlive. The lease is read at most once per
+    `interval` (default `WATCH_SECONDS`)."""
 
-    def __init__(self, store: RunStore, interval: float | None = None):
-        self.store = store
+    def __init__(self, store: RunStore, claim: str | None, interval: float | None = None):
+        self.store, self.claim = store, claim
         self.interval = WATCH_SECONDS if interval is None else interval
-        lease = read_lease(store)
-        self.holder = lease["holder"] if lease else None
-        self.renewed, self.renewal_seen = (lease or {}).get("at"), time.monotonic()
-        self.checked_at, self.reason = time.monotonic(), None
+        self.renewed: float | None = None
+        self.renewal_seen = self.checked_at = -float("inf")
+        self.reason: str | None = None
+        self.successor: str | None = None
 
     def gone(self, now: bool = False) -> str | None:
         """Why the pipeline is gone; None while it holds the run. `now`: read the lease even if it
         was read less than `interval` ago."""
-        if self.holder is None or self.reason is not None or (not now and time.monotonic() - self.checked_at < self.interval):
+        if self.claim is None or self.reason is not None or (not now and time.monotonic() - self.checked_at < self.interval):
             return self.reason
         self.checked_at = time.monotonic()
         try:
             lease = read_lease(self.store)
         except Exception as err:
             log.warning("could not read the lease of %s: %r", self.store.url, err)
+            self.renewed = None
             return None
         if lease is None:
-            self.reason = f"pipeline {self.holder} no longer holds {self.store.url}"
-        elif lease["holder"] != self.holder:
-            self.reason = f"pipeline {lease['holder']} took {self.store.url} over from {self.holder}"
+            self.reason = f"the pipeline that started this run no longer holds {self.store.url}"
+        elif lease.get("claim") != self.claim:
+            self.successor = lease["holder"]
+            self.reason = f"pipeline {lease['holder']} has taken {self.store.url} over"
         elif _process_gone_here(lease):
-            self.reason = f"pipeline {self.holder}'s process {lease['pid']} is gone"
+            self.reason = f"pipeline {lease['holder']}'s process {lease['pid']} is gone"
         elif lease["at"] != self.renewed:
             self.renewed, self.renewal_seen = lease["at"], self.checked_at
-        elif self.checked_at - self.renewal_seen > LEASE_SECONDS:
-            self.reason = f"pipeline {self.holder} has not renewed its lease of {self.store.url} for {self.checked_at - self.renewal_seen:.0f} s"
+        elif self.checked_at - self.renewal_seen > STALE_SECONDS:
+            self.reason = f"pipeline {lease['holder']} has not renewed its lease of {self.store.url} for {self.checked_at - self.renewal_seen:.0f} s"
         return self.reason
 
 
@@ -196,5 +209,5 @@ def process_namespace() -> list[str]:
     return [socket.gethostname(), boot, namespace]
 
 
-def _record(holder: str) -> bytes:
-    return json.dumps({"holder": holder, "where": process_namespace(), "pid": os.getpid(), "at": time.time()}).encode()
+def _record(holder: str, claim: str) -> bytes:
+    return json.dumps({"holder": holder, "claim": claim, "where": process_namespace(), "pid": os.getpid(), "at": time.time()}).encode()

@@ -20,10 +20,15 @@ def test_a_second_pipeline_is_refused_while_the_first_holds_the_run(store: RunSt
     with hold_run(store, "first (1)"):
         with pytest.raises(RunInUse, match=r"in use by pipeline first \(1\) on .*last seen \d+ s ago"):
             claim_run(store, "second (2)")
-        claim_run(store, "first (1)")  # its own again: a retried flow run
     assert read_lease(store) is None, "released at the end"
     with hold_run(store, "second (2)"):
         assert read_lease(store)["holder"] == "second (2)"
+
+
+def test_a_retried_pipeline_takes_its_run_back_at_once_and_its_first_attempt_leaves_it(store: RunStore):
+    with hold_run(store, "first (1)"):
+        retry = claim_run(store, "first (1)")  # the same flow run, retried: its own again
+    assert read_lease(store)["claim"] == retry, "the first attempt's end does not release the retry's claim"
 
 
 def test_the_lease_is_renewed_while_held(store: RunStore, monkeypatch):
@@ -100,29 +105,57 @@ def test_a_holder_that_lost_its_lease_does_not_take_it_back(store: RunStore, mon
 
 def test_a_child_sees_its_pipeline_go(store: RunStore, monkeypatch):
     """A deployed pipeline's children run on other machines, and Prefect does not stop them when
-    it dies or gives up: they read its lease to know."""
-    monkeypatch.setattr(lease, "LEASE_SECONDS", 1.0)
-    assert PipelineWatch(store, interval=0).gone() is None, "started without a pipeline: none to outlive"
+    it dies or gives up: they watch the lease claim their pipeline passed them."""
+    monkeypatch.setattr(lease, "STALE_SECONDS", 1.0)
+    assert PipelineWatch(store, None, interval=0).gone() is None, "given no claim: no pipeline to outlive"
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    ended = [("released", lambda: store.delete(LEASE_KEY), "pipeline p (1) no longer holds"),
-             ("taken over", lambda: _write_lease(store, holder="q (2)"), "pipeline q (2) took"),
+    ended = [("released", lambda: store.delete(LEASE_KEY), "no longer holds"),
+             ("taken over", lambda: _write_lease(store, holder="q (2)", claim="c2"), "pipeline q (2) has taken"),
+             ("retried", lambda: _write_lease(store, holder="p (1)", claim="c3"), "pipeline p (1) has taken"),
              ("not renewed", lambda: time.sleep(1.2), "p (1) has not renewed its lease"),
-             ("process gone here", lambda: _write_lease(store, holder="p (1)", where=process_namespace(), pid=int(gone.stdout)),
+             ("process gone here", lambda: _write_lease(store, holder="p (1)", claim="c1", where=process_namespace(), pid=int(gone.stdout)),
               "p (1)'s process")]  # fmt: skip
     for case, end, said in ended:
-        _write_lease(store, holder="p (1)", at=123.0)  # a clock far off: the child times renewals itself
-        watch = PipelineWatch(store, interval=0)
-        _write_lease(store, holder="p (1)", at=124.0)  # a renewal
-        assert watch.holder == "p (1)" and watch.gone() is None, case
+        _write_lease(store, holder="p (1)", claim="c1", at=123.0)  # a clock far off: the child times renewals itself
+        watch = PipelineWatch(store, "c1", interval=0)
+        assert watch.gone() is None, case
+        _write_lease(store, holder="p (1)", claim="c1", at=124.0)  # a renewal
+        assert watch.gone() is None, case
         end()
         assert said in (watch.gone() or ""), case
-        _write_lease(store, holder="p (1)")
+        assert (watch.successor is not None) == (case in ("taken over", "retried")), case
+        _write_lease(store, holder="p (1)", claim="c1")
         assert said in watch.gone(), f"{case}: a pipeline gone stays gone"
 
 
+def test_a_failed_read_of_the_lease_does_not_count_towards_its_staleness(store: RunStore, monkeypatch):
+    """A renewer held up by a slow store renews late; the child must not take that for death."""
+    monkeypatch.setattr(lease, "STALE_SECONDS", 1.0)
+    _write_lease(store, holder="p (1)", claim="c1")
+    watch = PipelineWatch(store, "c1", interval=0)
+    assert watch.gone() is None
+    time.sleep(0.8)
+    monkeypatch.setattr(lease, "read_lease", lambda store: (_ for _ in ()).throw(OSError("storage away")))
+    assert watch.gone() is None
+    monkeypatch.undo()
+    monkeypatch.setattr(lease, "STALE_SECONDS", 1.0)
+    time.sleep(0.8)
+    assert watch.gone() is None, "the clock starts again at the first read that works"
+    time.sleep(1.2)
+    assert "has not renewed" in watch.gone()
+
+
 def test_a_child_reads_the_lease_once_an_interval_unless_told_to_now(store: RunStore):
-    _write_lease(store, holder="p (1)")
-    watch = PipelineWatch(store, interval=3600)
+    _write_lease(store, holder="p (1)", claim="c1")
+    watch = PipelineWatch(store, "c1", interval=3600)
+    assert watch.gone() is None
     store.delete(LEASE_KEY)
     assert watch.gone() is None
     assert "no longer holds" in watch.gone(now=True)
+
+
+def test_a_pipeline_gives_its_children_a_claim_of_its_own(store: RunStore):
+    with hold_run(store, "p (1)") as first:
+        assert read_lease(store)["claim"] == first and PipelineWatch(store, first, interval=0).gone() is None
+    with hold_run(store, "p (1)") as retried:  # a retried flow run: the same name, another claim
+        assert retried != first and "has taken" in PipelineWatch(store, first, interval=0).gone()

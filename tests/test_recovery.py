@@ -20,8 +20,9 @@ from configs import TINY_CONFIG, load_config
 from flows.generation import generation
 from flows.training import GenerationStopped, training
 from infra.manifest import ManifestError
-from tasks.lag import read_trainer_state
+from tasks.lag import read_trainer_state, reopen_run
 from tasks.lease import LEASE_KEY
+from tasks.shards import list_shards
 from tasks.rundir import initialize_run
 from tests.test_pipeline import ROOT, CopyEnv
 
@@ -67,32 +68,41 @@ def test_a_trainer_that_fails_marks_itself_done_so_that_generators_stop(tmp_path
     assert read_trainer_state(store).done
 
 
-def test_a_trainer_and_generator_whose_pipeline_is_gone_stop_by_themselves(tmp_path: Path, monkeypatch):
+def test_a_trainer_and_a_generator_whose_pipeline_is_gone_stop_by_themselves(tmp_path: Path, monkeypatch):
     """A deployed parent that died with its machine, or gave up with the Prefect API away, cannot
-    cancel its children: they stop when its lease goes, rather than hold their GPUs for good."""
+    cancel its children: each stops on its own once the lease claim it was given is gone, rather
+    than hold its GPUs for good. Each runs alone here, so that nothing else could stop it: the
+    trainer waits for data nobody makes, the generator for a trainer that never comes."""
     from prefect.testing.utilities import prefect_test_harness
 
     monkeypatch.setattr("tasks.lease.WATCH_SECONDS", 0.5)
-    config = load_config(TINY_CONFIG, [f"storage.root=file://{tmp_path}", "run_id=orphans", "training.steps=200", *SMALL_RUN])
+    config = load_config(TINY_CONFIG, [f"storage.root=file://{tmp_path}", "run_id=orphans", *SMALL_RUN])
     store = initialize_run(config)
-    record = {"holder": "dead (1)", "where": ["elsewhere", "", ""], "pid": 1, "at": time.time()}
-    store.write_atomic(LEASE_KEY, json.dumps(record).encode())
     outcome = {}
 
-    def generate() -> None:
-        outcome["generator"] = generation(config, "gen0")
-
-    def die_once_training_runs() -> None:
-        while read_trainer_state(store).version < 2:
-            time.sleep(0.2)
-        store.delete(LEASE_KEY)  # what the pipeline's end does; a lapsed record reads the same
+    def pipeline_until(done: threading.Event) -> None:
+        """The pipeline's renewals (a record that was never renewed would lapse instead), until
+        `done`; then what its end does: it releases the run."""
+        while not done.wait(0.5):
+            store.write_atomic(LEASE_KEY, json.dumps({"holder": "gone (1)", "claim": "c1", "where": ["elsewhere", "", ""], "pid": 1, "at": time.time()}).encode())
+        store.delete(LEASE_KEY)
 
     with prefect_test_harness():
-        threads = [threading.Thread(target=generate), threading.Thread(target=die_once_training_runs, daemon=True)]
-        for thread in threads:
-            thread.start()
-        with pytest.raises(GenerationStopped, match="pipeline dead \\(1\\) no longer holds"):
-            training(config)
-        threads[0].join(timeout=120)
-    assert read_trainer_state(store).done and 2 <= read_trainer_state(store).version < 200
-    assert "pipeline dead (1) no longer holds" in outcome["generator"]["pipeline_gone"]
+        ended = threading.Event()
+        threading.Thread(target=pipeline_until, args=(ended,), daemon=True).start()
+        threading.Timer(8.0, ended.set).start()
+        with pytest.raises(GenerationStopped, match="the pipeline that started this run no longer holds"):
+            training(config, "c1")
+        assert read_trainer_state(store).done and read_trainer_state(store).version == 0
+
+        reopen_run(store)
+        ended = threading.Event()
+        threading.Thread(target=pipeline_until, args=(ended,), daemon=True).start()
+        generator = threading.Thread(target=lambda: outcome.update(generation(config, "gen0", "c1")))
+        generator.start()
+        while len(list_shards(store)) < config.training.prompts_per_step:  # the lag window's first batch
+            time.sleep(0.2)
+        ended.set()
+        generator.join(timeout=120)
+    assert not generator.is_alive() and not read_trainer_state(store).done
+    assert "no longer holds" in outcome["pipeline_gone"]

@@ -91,8 +91,8 @@ class AwayClient(FlakyClient):
         raise httpx.ConnectError("refused")
 
 
-def _hold(store, holder: str) -> None:
-    record = {"holder": holder, "where": ["elsewhere", "", ""], "pid": 1, "at": time.time()}
+def _hold(store, holder: str, claim: str) -> None:
+    record = {"holder": holder, "claim": claim, "where": ["elsewhere", "", ""], "pid": 1, "at": time.time()}
     store.write_atomic(LEASE_KEY, json.dumps(record).encode())
 
 
@@ -103,15 +103,15 @@ def test_a_parent_that_gives_up_with_the_api_away_stops_its_children_through_sto
     another pipeline has taken the run over (the stop would then be that pipeline's trainer's)."""
     monkeypatch.setattr(supervisor, "API_OUTAGE_SECONDS", 0.0)
     monkeypatch.setattr(supervisor, "CANCEL_WAIT_SECONDS", 0.0)
-    _hold(file_store, "this (1)")
+    _hold(file_store, "this (1)", "c1")
     parent = _supervisor([])
     parent.client = AwayClient([httpx.ConnectError("refused")] * 20)
     parent.config = SimpleNamespace(prefect=SimpleNamespace(generators=0, watch_seconds=0.01), run_id="r")
-    parent.store, parent.pipeline, parent.generators, parent.retiring = file_store, PipelineWatch(file_store, interval=0), {}, {}
+    parent.store, parent.pipeline, parent.generators, parent.retiring = file_store, PipelineWatch(file_store, "c1", interval=0), {}, {}
     parent.target, parent.start = 0, lambda flow_name, **_: SimpleNamespace(id=uuid4(), name=flow_name, state=Running())
     monkeypatch.setattr(supervisor, "clear_scale_request", lambda run_id: None)
     if taken_over:
-        _hold(file_store, "successor (2)")
+        _hold(file_store, "successor (2)", "c2")
     with pytest.raises(ChildRunFailed, match="unavailable" if not taken_over else "no longer holds the run"):
         parent.run()
     assert (stop_reason(file_store) is None) == taken_over
