@@ -8,9 +8,10 @@ process that is SIGKILLed (the OOM killer, a cancellation that escalates) leaves
 with a GPU's memory taken, and the restarted generation run on that machine then fails to start
 its own. tandem's CPU engine watches its parent itself (`--parent-pid`); SGLang's server is not
 ours to change, so `EngineProcess` runs it under this guard, which leads the group, polls its own
-parent, and on its death SIGTERMs the group, then SIGKILLs it after `GRACE_SECONDS`. A SIGTERM
-sent to the group (the usual stop) reaches the command too: the guard waits for it to exit and
-exits with its code.
+parent, and on its death SIGTERMs the group, waits up to `GRACE_SECONDS` for the command, then
+SIGKILLs the group, itself included, so that none of the engine's own children outlive it. A
+SIGTERM sent to the group (the usual stop) reaches the command too: the guard waits for it to exit
+and exits with its code.
 """
 
 from __future__ import annotations
@@ -35,14 +36,13 @@ def guard(parent_pid: int, command: list[str]) -> int:
             os.killpg(0, signal.SIGTERM)
             try:
                 child.wait(GRACE_SECONDS)
-            except subprocess.TimeoutExpired:
-                os.killpg(0, signal.SIGKILL)
-            break
+            finally:
+                os.killpg(0, signal.SIGKILL)  # what the engine's own children left, and this guard
         try:
             child.wait(POLL_SECONDS)
         except subprocess.TimeoutExpired:
             pass
-    return child.wait()
+    return child.returncode
 
 
 def guarded(command: list[str]) -> list[str]:

@@ -85,15 +85,20 @@ class EngineProcess:
         return self.process is not None and self.process.poll() is None
 
     def stop(self, grace: float = 20.0) -> None:
-        """SIGTERM the engine's process group, SIGKILL it after `grace` seconds."""
+        """SIGTERM the engine's process group, then SIGKILL what is left of it once the leader has
+        exited or after `grace` seconds."""
         if not self.is_running():
             return
         os.killpg(self.process.pid, signal.SIGTERM)
         try:
             self.process.wait(grace)
         except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
+            pass
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)  # the leader's children that outlived it (SGLang's)
+        except ProcessLookupError:
+            pass
+        self.process.wait()
 
     def kill(self) -> None:
         """SIGKILL the engine at once (fault tests: a preempted engine)."""
