@@ -24,7 +24,7 @@ from prefect.runtime import flow_run
 from pydantic import Field
 
 from configs import DEPLOYED_CONFIG, load_config
-from configs.schema import RunConfig, RunId
+from configs.schema import RunConfig, RunId, StorageConfig
 from flows.pipeline import pipeline
 from infra.storage import open_run_store
 from tasks.checkpoints import latest_checkpoint_step
@@ -40,13 +40,10 @@ def retrain(
     storage_root: Annotated[str, Field(pattern=r"^(file|s3|memory)://")] | None = None,
 ) -> dict:
     """Retrain `run_id` (under `storage_root`, default: configs/deployed.yaml's) for `steps` steps.
-    The run directory is reached as configs/deployed.yaml says (its endpoint and Secret block, if
-    it names them; else the worker's environment)."""
-    deployed = load_config(DEPLOYED_CONFIG).storage
-    root = storage_root or deployed.root
-    reach = [f"storage.{field}={value}" for field, value in (("endpoint_url", deployed.endpoint_url),
-                                                             ("credentials_block", deployed.credentials_block)) if value]  # fmt: skip
-    source = load_run_config(f"{root.rstrip('/')}/{run_id}", reach)
+    Under deployed.yaml's root the run directory is reached as that file says (its endpoint and
+    Secret block, if it names them); under another, or without them, with the worker's environment."""
+    root, reach = run_location(storage_root, load_config(DEPLOYED_CONFIG).storage)
+    source = load_run_config(f"{root}/{run_id}", reach)
     if not source.env.eval_prompts:
         raise ValueError(f"run {run_id} has env.eval_prompts 0: retraining promotes by the held-out score, "
                          "so the run needs held-out prompts")  # fmt: skip
@@ -70,6 +67,16 @@ def retrain(
     print(f"v{version} of {config.run_id} scored {summary['eval_after']:.3f}: {verdict}; PROMOTED is "
           + (f"v{promoted.version} of {promoted.run_url} ({promoted.score:.3f})" if promoted else "unset"))  # fmt: skip
     return {"run_id": config.run_id, "version": version, "score": summary["eval_after"], "promoted": moved}
+
+
+def run_location(storage_root: str | None, deployed: StorageConfig) -> tuple[str, list[str]]:
+    """The root to find the run under, and the storage overrides to reach it with: deployed.yaml's
+    endpoint and Secret block under its own root, none under another."""
+    root = (storage_root or deployed.root).rstrip("/")
+    if root != deployed.root.rstrip("/"):
+        return root, []
+    given = (("endpoint_url", deployed.endpoint_url), ("credentials_block", deployed.credentials_block))
+    return root, [f"storage.{field}={value}" for field, value in given if value]
 
 
 def _continued(source: RunConfig, store, steps: int) -> RunConfig:

@@ -216,6 +216,18 @@ def test_a_run_on_s3_is_read_back_as_its_storage_overrides_say(seaweed, monkeypa
         load_run_config(f"{storage.root}/on-s3", reach[:1])
 
 
+def test_retrain_reaches_deployed_yaml_s_root_as_that_file_says_and_another_root_as_the_environment_does():
+    from configs.schema import StorageConfig
+    from flows.retrain import run_location
+
+    deployed = StorageConfig(root="s3://tandem/runs/", endpoint_url="http://minio:9000", credentials_block="s3-creds")
+    reach = ["storage.endpoint_url=http://minio:9000", "storage.credentials_block=s3-creds"]
+    assert run_location(None, deployed) == ("s3://tandem/runs", reach)
+    assert run_location("s3://tandem/runs", deployed) == ("s3://tandem/runs", reach)
+    assert run_location("s3://elsewhere/runs", deployed) == ("s3://elsewhere/runs", [])
+    assert run_location(None, StorageConfig(root="s3://tandem/runs")) == ("s3://tandem/runs", [])
+
+
 def test_eval_of_a_run_without_held_out_prompts_exits_2_saying_how_to_give_it_some(tmp_path: Path):
     root = f"file://{tmp_path}/runs"
     init = runner.invoke(app, ["init", str(CONFIG_DIR / "tiny.yaml"), "--set", f"storage.root={root}", "--run-id", "quiet",
