@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import contextvars
 import errno
-import functools
 import logging
 import os
 import shutil
@@ -421,17 +420,33 @@ def _credentials(storage: StorageConfig) -> tuple[str | None, str | None]:
     return os.environ.get("AWS_ACCESS_KEY_ID"), os.environ.get("AWS_SECRET_ACCESS_KEY")
 
 
-@functools.lru_cache(maxsize=16)
+BLOCK_READ_SECONDS = 600.0
+"""How long a process uses a Secret block's credentials before it reads the block again."""
+_block_reads: dict[str, tuple[float, tuple[str, str]]] = {}
+"""Block name -> (when read, (key, secret)): the last good read of each block in this process."""
+
+
 def _block_credentials(name: str) -> tuple[str, str]:
-    """The key and secret of Secret block `name`, read from the Prefect API once per process.
-    Every rollout group opens the run's store: a read per open was an API call per group, and
-    while the Prefect server restarted the groups failed and took their generation run with them.
-    A failed read is not cached; a rotated secret reaches a process when it starts again."""
+    """The key and secret of Secret block `name`, read from the Prefect API at most once per
+    `BLOCK_READ_SECONDS` in a process. Every rollout group opens the run's store: a read per open
+    was an API call per group, and while the Prefect server restarted the groups failed and took
+    their generation run with them. A read that fails falls back on the last good one (the server
+    is away); a rotated secret reaches a running process at its next read."""
     from prefect.blocks.system import Secret
 
-    value = Secret.load(name).get()
+    read_at, credentials = _block_reads.get(name, (-float("inf"), None))
+    if time.monotonic() - read_at < BLOCK_READ_SECONDS:
+        return credentials
+    try:
+        value = Secret.load(name).get()
+    except Exception as err:
+        if credentials is None:
+            raise
+        log.warning("could not read Secret block %r (%r): using the credentials read %.0f s ago", name, err, time.monotonic() - read_at)
+        return credentials
     if not isinstance(value, dict) or not {"key", "secret"} <= value.keys():
         raise ValueError(f"Secret block {name!r} must hold {{\"key\": ..., \"secret\": ...}}")
+    _block_reads[name] = (time.monotonic(), (value["key"], value["secret"]))
     return value["key"], value["secret"]
 
 
