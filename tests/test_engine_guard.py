@@ -4,13 +4,13 @@ that writes its pid and sleeps: what matters is the process group around it."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from infra.engines.process import EngineProcess
+from tests.test_engine_client import _assert_exits
 
 SLEEPER = "import os, time; print(os.getpid(), flush=True); time.sleep(600)"
 
@@ -25,18 +25,6 @@ def _pid_in(log: Path, within: float = 30.0) -> int:
     raise AssertionError(f"nothing in {log}")
 
 
-def _gone_within(pid: int, within: float) -> bool:
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        time.sleep(0.1)
-    os.kill(pid, 9)
-    return False
-
-
 def test_a_guarded_engine_stops_when_the_process_that_started_it_is_killed(tmp_path: Path):
     log = tmp_path / "engine.log"
     starter = (
@@ -48,7 +36,7 @@ def test_a_guarded_engine_stops_when_the_process_that_started_it_is_killed(tmp_p
     engine = _pid_in(log)
     parent.kill()
     parent.wait()
-    assert _gone_within(engine, 15), "the engine outlived the process that started it"
+    _assert_exits(engine, 15)
     assert "is gone; stopping it" in log.read_text()
 
 
@@ -59,4 +47,4 @@ def test_a_guarded_engine_stops_when_asked_and_its_guard_with_it(tmp_path: Path)
     started = time.monotonic()
     process.stop(grace=10)
     assert time.monotonic() - started < 5 and not process.is_running()
-    assert _gone_within(engine, 1)
+    _assert_exits(engine, 1)
