@@ -20,7 +20,7 @@ import pytest
 from botocore.exceptions import ClientError, EndpointConnectionError, NoCredentialsError
 
 from configs.schema import StorageConfig
-from infra import storage
+from infra import credentials
 from infra.seaweed import SeaweedServer, free_s3_port
 from infra.storage import (
     RunStore, StorageRejected, StorageUnavailable, open_run_store, rejection_reason,
@@ -297,7 +297,7 @@ def test_credentials_come_from_a_prefect_secret_block_when_named(seaweed, monkey
 
     for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(storage, "_block_reads", {})  # this test's reads, dropped after it
+    monkeypatch.setattr(credentials, "_block_reads", {})  # this test's reads, dropped after it
     with prefect_test_harness():
         Secret(value={"key": "block-key", "secret": "block-secret"}).save("tandem-s3")
         Secret(value={"key": "only-a-key"}).save("tandem-s3-incomplete")
@@ -314,7 +314,7 @@ def test_credentials_come_from_a_prefect_secret_block_when_named(seaweed, monkey
         monkeypatch.setattr(Secret, "load", api_away)  # every rollout group opens the store: one read a while
         again = open_run_store(by_block, "run-secret")
         assert again.read_bytes("probe.json") == b"{}"
-        monkeypatch.setattr(storage, "BLOCK_READ_SECONDS", 0.0)  # due for a read, which fails: the last good one holds
+        monkeypatch.setattr(credentials, "BLOCK_READ_SECONDS", 0.0)  # due for a read, which fails: the last good one holds
         assert open_run_store(by_block, "run-secret").fs.key == "block-key"
         monkeypatch.setattr(Secret, "load", load)
         Secret(value={"key": "rotated-key", "secret": "rotated-secret"}).save("tandem-s3", overwrite=True)
