@@ -252,7 +252,7 @@ def scale(
     generators: Annotated[int, typer.Option(help="Generation runs the run should have.", min=1, max=256)],
 ) -> None:
     """Ask a deployed run for N generation runs; its parent adds or retires them within seconds."""
-    from configs.schema import is_run_id
+    from configs.fields import is_run_id
 
     if not is_run_id(run_id):
         fail(f"{run_id!r} is not a run id (letters, digits, '.', '_', '-', no '..'; at most 64 characters)")

@@ -33,7 +33,8 @@ from prefect.cache_policies import NONE
 from prefect.runtime import deployment, flow_run
 
 from configs import DEPLOYED_CONFIG, ConfigError, load_config
-from configs.schema import RunConfig, RunId
+from configs.fields import RunId
+from configs.schema import RunConfig
 from flows.evaluation import evaluation
 from flows.generation import generation
 from flows.progress import print_summary, watch_run

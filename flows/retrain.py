@@ -24,7 +24,8 @@ from prefect.runtime import flow_run
 from pydantic import Field
 
 from configs import DEPLOYED_CONFIG, load_config
-from configs.schema import RunConfig, RunId, StorageConfig
+from configs.fields import RunId
+from configs.schema import RunConfig, StorageConfig
 from flows.pipeline import pipeline
 from infra.storage import open_run_store
 from tasks.checkpoints import latest_checkpoint_step

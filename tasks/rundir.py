@@ -16,7 +16,8 @@ import tempfile
 from pathlib import Path
 
 from configs.loader import ConfigError, apply_override, validate_config
-from configs.schema import MASKED_SECRET, RunConfig, is_run_id
+from configs.fields import MASKED_SECRET, is_run_id
+from configs.schema import RunConfig
 from infra.modelfactory import given_model_dir, load_model, load_tokenizer, prepare_initial_model
 from infra.storage import RunStore, StorageRejected, open_run_store
 from tasks.envs import EnvironmentLoadError, load_environment

@@ -43,7 +43,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from configs.schema import MAX_SLOTS
+from configs.fields import MAX_SLOTS
 from infra.storage import RunStore
 
 log = logging.getLogger(__name__)

@@ -18,7 +18,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from configs.schema import TopK
+from configs.fields import TopK
 
 INT64 = 2**63
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]

@@ -1,0 +1,86 @@
+"""Field types of the run configuration and their checks, which configs/schema.py builds on.
+
+Each type carries both a pydantic check, worded for a person, and where Prefect needs it a
+JSON-schema twin (`whole_text_pattern`), so that a deployment refuses a bad parameter when the
+run is submitted, before any worker starts it.
+"""
+
+from __future__ import annotations
+
+import re
+from types import UnionType
+from typing import Annotated, Any, Union, get_args, get_origin
+
+from pydantic import AfterValidator, Field, SecretStr
+
+RUN_ID_FORM = r"[A-Za-z0-9](?:\.?[A-Za-z0-9_-])*\.?"
+"""Letters, digits, '.', '_' and '-', starting with a letter or digit, no '..' (a run id is a path
+segment: '..' would name the parent). Without lookarounds, so that pydantic's regex engine takes it."""
+
+
+def whole_text_pattern(form: str) -> dict[str, str]:
+    """The JSON-schema `pattern` of text that is `form` and nothing else, for a field's
+    `json_schema_extra`. Prefect checks submitted parameters with Python's re, whose `$` also
+    matches before a final newline: the lookahead refuses that newline. Pydantic validates with its
+    own engine, whose `$` is the very end and which has no lookarounds, so fields keep a plain
+    `pattern` (or validator) for validation and carry this one for the schema."""
+    return {"pattern": f"^(?:{form})(?!\\n)$"}
+
+
+RunId = Annotated[str, Field(pattern=f"^{RUN_ID_FORM}$", max_length=64, json_schema_extra=whole_text_pattern(RUN_ID_FORM))]
+"""A run id as a flow parameter: Prefect checks the pattern when a run is submitted."""
+
+
+MAX_SLOTS = 999_999
+"""Prompt groups one run may generate (steps x prompts_per_step): a shard key numbers them in six
+digits (tasks/shards.py)."""
+
+ROOT_PATTERN = r"^(?:file://|memory://|s3:///*[^/])"
+ENTRYPOINT_FORM = r"[A-Za-z_][\w.]*:[A-Za-z_]\w*"
+BLOCK_NAME_FORM = r"[a-z0-9][a-z0-9-]{0,127}"
+DEPLOYMENT_NAME_FORM = r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}"
+"""Forms of the fields below whose checks are Python code or need the JSON-schema twin of
+`whole_text_pattern`: a field's validator words the error for a person, its pattern lets Prefect
+refuse the field at submission."""
+
+
+def _top_k_disabled_or_positive(top_k: int) -> int:
+    if top_k == 0:
+        raise ValueError("top_k must be -1 (disabled) or at least 1, got 0")
+    return top_k
+
+
+TopK = Annotated[int, Field(ge=-1, json_schema_extra={"not": {"const": 0}}), AfterValidator(_top_k_disabled_or_positive)]
+"""A top-k cut-off as SGLang takes it: -1 disables it, 0 is refused (the config's and the engine
+API's; the JSON-schema twin lets Prefect refuse 0 at submission)."""
+
+
+MASKED_SECRET = "**********"
+"""What pydantic's JSON dump writes in place of a secret (config.json, `tandem config show`)."""
+
+
+def _not_the_mask(secret: SecretStr | None) -> SecretStr | None:
+    if secret is not None and secret.get_secret_value() == MASKED_SECRET:
+        raise ValueError(
+            f"{MASKED_SECRET!r} is what a config dump shows in place of a secret, not a secret: "
+            "give the value itself, or null"
+        )
+    return secret
+
+
+Credential = Annotated[SecretStr | None, AfterValidator(_not_the_mask)]
+"""A credential, or null. The mask is refused: a dumped config fed back as parameters (a child
+run's, an event's) would otherwise make the ten asterisks the credential, silently."""
+
+
+def takes_a_number_not_a_boolean(annotation: Any) -> bool:
+    """Whether a field of this type is a number (maybe optional, maybe constrained) and no bool."""
+    if get_origin(annotation) is Annotated:
+        return takes_a_number_not_a_boolean(get_args(annotation)[0])
+    options = get_args(annotation) if get_origin(annotation) in (Union, UnionType) else (annotation,)
+    plain = [get_args(o)[0] if get_origin(o) is Annotated else o for o in options]
+    return bool not in plain and any(o in (int, float) for o in plain)
+
+
+def is_run_id(text: str) -> bool:
+    return len(text) <= 64 and re.fullmatch(RUN_ID_FORM, text) is not None
