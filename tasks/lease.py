@@ -7,8 +7,8 @@ the other's, each generator claiming slots the other's shards then collide with.
 shards or snapshots can tell the two apart afterwards, so the second pipeline is refused at its
 start instead (`RunInUse`, naming the first).
 
-The lease is a small record (holder, where, pid, time) that the holder renews every third of
-`LEASE_SECONDS` from a thread of its own and deletes when it ends. A holder that died without
+The lease is a small record (holder, claim id, where, pid, time) that the holder renews every
+third of `LEASE_SECONDS` from a thread of its own and deletes when it ends. A holder that died without
 deleting it (SIGKILL, a lost machine) is taken over once its record is `LEASE_SECONDS` old, or
 at once by a claimant in the same pid namespace of the same boot that finds the holder's process
 gone (the usual case of a `tandem run` stopped with Ctrl-C and started again; containers that
@@ -21,6 +21,10 @@ one whose record was overwritten gives way. A holder whose renewal finds another
 (it stalled for longer than the lease) stops renewing and logs it, rather than taking the run
 back from the pipeline that now trains it. Times are compared across hosts, which must agree on
 the clock to within a few seconds, as NTP keeps them.
+
+The lease is also how a pipeline's children know it is still there (`PipelineWatch`): each claim
+has an id, which the pipeline passes to its training and generation runs, and they stop once the
+run is no longer held by that claim.
 """
 
 from __future__ import annotations
