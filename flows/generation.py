@@ -15,8 +15,9 @@ publishes how many groups it has in flight on each policy version, which the tra
 that it trains the oldest of them before they go stale.
 It stops when the trainer's published state says done, or when the pipeline that started it no
 longer holds the run (tasks/lease.py `PipelineWatch`: a dead or failed deployed parent), and then
-aborts the engines' requests: the groups in flight would never be trained. Asked to retire (a scale-down), it claims nothing
-more and finishes the chunks it has in flight, so that every slot it claimed is committed.
+aborts the engines' requests: the groups in flight would never be trained. Asked to retire (a
+scale-down), it claims nothing more and finishes the chunks it has in flight, so that every slot
+it claimed is committed.
 """
 
 from __future__ import annotations
