@@ -41,6 +41,7 @@ from flows.progress import print_summary, watch_run
 from flows.supervisor import Supervisor, clear_scale_request
 from flows.training import training
 from flows.ui import publish_summary
+from infra.prefect_server import stop_temporary_server
 from infra.storage import RunStore, open_run_store
 from tasks.lag import reopen_run, request_stop
 from tasks.lease import hold_run
@@ -207,8 +208,10 @@ def exit_unless_stopped_within_grace(children: list[PrefectFuture]) -> None:
 
 def _exit_now(why: str) -> None:
     """Exit at once, without the interpreter's shutdown, which waits for the children's threads.
-    The engines and Dask workers exit with this process; the run resumes from its newest checkpoint."""
+    The engines and Dask workers exit with this process, and Prefect's temporary server is stopped
+    here (its own stop runs at the shutdown skipped); the run resumes from its newest checkpoint."""
     print(f"exiting: {why}; start the same run again to resume it", file=sys.stderr, flush=True)
+    stop_temporary_server()
     os._exit(130)
 
 

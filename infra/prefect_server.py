@@ -1,4 +1,6 @@
-"""A real Prefect server and process workers on loopback, for tests and benchmarks.
+"""A real Prefect server and process workers on loopback, for tests and benchmarks; and the stop
+of the temporary server Prefect starts for a local run, for a run that exits without Python's
+shutdown.
 
 Deployed mode is tested the way users run it: `prefect server start` with a PREFECT_HOME of its
 own (so its SQLite database and settings touch nothing of the user's), one `prefect worker
@@ -28,6 +30,18 @@ from infra.ports import free_port_block
 def prefect_binary() -> str:
     beside_python = Path(sys.executable).with_name("prefect")
     return str(beside_python) if beside_python.exists() else "prefect"
+
+
+def stop_temporary_server() -> None:
+    """Stop the temporary API server Prefect started for this process, if it started one.
+
+    Without PREFECT_API_URL Prefect serves its API from a uvicorn child process, which it stops
+    from an atexit hook. A process that leaves with os._exit (an interrupted pipeline whose
+    children did not stop in time) skips that hook, and the server would run on for good, holding
+    its port, with nobody to use it. Prefect imports the module that starts it only to start it."""
+    server = sys.modules.get("prefect.server.api.server")
+    if server is not None:
+        server.SubprocessASGIServer().stop()
 
 
 def _default_sigint() -> None:

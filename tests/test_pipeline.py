@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -155,16 +156,20 @@ def test_a_custom_environment_runs_through_the_pipeline_by_import_path(tmp_path:
     assert 3 not in prompt, "the custom prompts are in the vocabulary (no <unk>)"
 
 
-@pytest.mark.parametrize("whom", ["process", "process group"])
+@pytest.mark.parametrize("whom", ["process", "process group", "process, twice"])
 def test_an_interrupted_run_stops_its_children_and_exits(tmp_path: Path, whom: str):
     """Ctrl-C while the trainer and the generator work. To the process alone, its children stop
     (the trainer told by a stop request, the generator by the trainer's done mark) and it exits
     within seconds. To the whole process group, as a terminal sends it, the Dask workers and
     Prefect's temporary server die with it, so a child may never stop: it exits after the grace.
-    Either way with 130 and no process of its own left (the engines exit with it). Before, it hung
-    for good, its engine still up."""
+    A second Ctrl-C exits at once, without Python's shutdown. Each way with 130 and no process of
+    its own left (the engines exit with it, and Prefect's temporary server is stopped). Before, it
+    hung for good, its engine still up; and an exit without the shutdown, after the grace or on a
+    second Ctrl-C, left Prefect's temporary server running. Small steps (4 prompts), so that a
+    trainer on two busy cores ends the step under way well within the grace."""
     (tmp_path / "scratch").mkdir()
-    overrides = [f"storage.root=file://{tmp_path}", "run_id=interrupted", "training.steps=500", "training.warmup_steps=0", "env.eval_prompts=0", "dask.n_workers=1"]
+    overrides = [f"storage.root=file://{tmp_path}", "run_id=interrupted", "training.steps=500", "training.warmup_steps=0",
+                 "training.prompts_per_step=4", "env.eval_prompts=0", "dask.n_workers=1"]  # fmt: skip
     env = os.environ | {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "TMPDIR": str(tmp_path / "scratch")}
     log = (tmp_path / "run.log").open("w")
     # SIGINT reset in the child: started from a background job without job control (`cmd &` in
@@ -180,18 +185,25 @@ def test_an_interrupted_run_stops_its_children_and_exits(tmp_path: Path, whom: s
         assert json.loads((tmp_path / "interrupted" / "lease.json").read_text())["pid"] == run.pid, "the run holds its lease"
         interrupted = time.monotonic()
         os.killpg(run.pid, signal.SIGINT) if whom == "process group" else run.send_signal(signal.SIGINT)
+        if whom == "process, twice":
+            while "interrupted: waiting" not in (tmp_path / "run.log").read_text():
+                assert time.monotonic() - interrupted < 30, "the first Ctrl-C is taken"
+                time.sleep(0.1)
+            run.send_signal(signal.SIGINT)
         returncode = run.wait(timeout=INTERRUPT_GRACE_SECONDS + 30)
         took = time.monotonic() - interrupted
         engines = [e["pid"] for r in records(tmp_path / "interrupted", "generator-gen0") if r["event"] == "engines_started" for e in r["engines"]]
         left = lingering([run.pid], engines, timeout=15)
     finally:
-        if run.poll() is None:
+        with contextlib.suppress(ProcessLookupError):  # the run's group: the run, or what it left behind
             os.killpg(run.pid, signal.SIGKILL)
     output = (tmp_path / "run.log").read_text()
     assert returncode == 130, output[-3000:]
     assert engines and not left, f"processes of the run still alive 15 s after it exited: {left}"
     assert "stopping the trainer and generators: the pipeline was interrupted" in output
     check_run_free(open_run_store(StorageConfig(root=f"file://{tmp_path}"), "interrupted"))  # "start it again to resume"
+    if whom == "process, twice":
+        assert "exiting: interrupted again" in output, output[-3000:]
     if whom == "process":
         assert "did not stop within" not in output, f"its children did not stop by themselves ({took:.1f} s)"
         assert json.loads(trainer_state.read_text())["done"] is True, "the trainer marked itself done"
