@@ -188,12 +188,14 @@ NO_EVALUATION = "env.eval_prompts=0"
 """For the runs that test something else: the evaluations before and after a run each boot an
 engine in the parent, about 10 s of a loaded machine's time a run."""
 
-LONG_ENOUGH_TO_JOIN = ["training.steps=20", "training.simulate_step_seconds=2.5", NO_EVALUATION]
-"""About 60 s of steps, most of it the trainer sleeping, for the tests in which a second generation
-run joins mid-run: that took 13 s with the CPU this leaves free, and 30-40 s on two busy cores (a
-worker's poll, a fresh process's imports, engines booting). Counting steps alone did not do it:
-32 real steps of the tiny model took 90 s, then 40 s once the generators sent every admitted
-group to the engines at once, and the run finished before the second generator had started."""
+JOINING_STEPS = 40
+LONG_ENOUGH_TO_JOIN = [f"training.steps={JOINING_STEPS}", "training.simulate_step_seconds=2.5", NO_EVALUATION]
+"""About 100 s of steps, most of it the trainer sleeping, for the tests in which a second generation
+run joins mid-run: that took 13 s with the CPU this leaves free, 30-40 s on two busy cores (a
+worker's poll, a fresh process's imports, engines booting), and over 45 s with the suite's other
+half beside it (pytest -n 2), when 20 steps ended before the second generator's first shard.
+Counting steps alone did not do it: 32 real steps of the tiny model took 90 s, then 40 s once the
+generators sent every admitted group to the engines at once."""
 
 
 def test_scale_up_and_down_mid_run(deployment):
@@ -210,7 +212,7 @@ def test_scale_up_and_down_mid_run(deployment):
     assert len(generations) == 2 and all(r.state.is_completed() for r in generations), deployment.explain(flow_run_id)
     assert {parse_shard_key(k).producer for k in list_shards(store)} == {"gen0", "gen1"}
     report = json.loads(store.read_bytes("summary.json"))
-    assert report["identity_holds"] and report["max_trained_lag"] <= 1 and report["steps"] == 20
+    assert report["identity_holds"] and report["max_trained_lag"] <= 1 and report["steps"] == JOINING_STEPS
     with deployment.client() as client:  # a request lasts one run: a retrain of it starts with prefect.generators
         assert client.read_variable_by_name(scale_variable(run_id)) is None
 
