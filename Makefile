@@ -23,9 +23,14 @@ install: $(STAMP)
 run: install
 	$(BIN)/tandem run configs/tiny.yaml
 
-## Install, then run the whole test suite (real SeaweedFS and engines on loopback).
+## Install, then run the whole test suite (real SeaweedFS and engines on loopback): two pytest
+## workers side by side, each taking whole files (a file's servers start once), since most of
+## the suite waits on servers rather than computing; then, alone, the tests that assert timings.
 test: install
-	$(BIN)/pytest --durations=15; code=$$?; [ $$code -ne 5 ] || echo "pytest collected no tests: failing" >&2; exit $$code
+	$(BIN)/pytest -n 2 --dist loadfile -m "not timing" --durations=15; shared=$$?; \
+	$(BIN)/pytest -m timing; alone=$$?; \
+	for code in $$shared $$alone; do [ $$code -ne 5 ] || echo "pytest collected no tests: failing" >&2; done; \
+	[ $$shared -eq 0 ] && [ $$alone -eq 0 ]
 
 ## The tests that start no server.
 test-fast: install

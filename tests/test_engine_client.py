@@ -168,6 +168,7 @@ def test_a_restarted_engine_rejoins_the_rotation(engines):
     assert status[0]["weight_version"] == "0"
 
 
+@pytest.mark.timing
 def test_a_paused_engine_out_of_rotation_does_not_hold_up_the_others_return(engines):
     """Both engines out of rotation, engine 0 paused: its /health holds the probe for the probe's
     2 s timeout, as SGLang's does. Engine 1 answers and is back long before that; probed one after
@@ -401,6 +402,7 @@ def test_update_weights_loads_refuses_corrupt_snapshots_and_survives_a_hung_engi
     assert asyncio.run(scenario()) <= {"1", "3"}
 
 
+@pytest.mark.timing
 def test_a_4xx_is_raised_at_once_and_the_engine_stays_in_rotation(engines):
     async def scenario():
         async with EngineClient(engines.urls, api_key=API_KEY, retry_seconds=30) as client:

@@ -37,6 +37,7 @@ def run_jobs(engine: SimEngine, count: int, **sampling) -> tuple[list[Generation
     return jobs, time.monotonic() - started
 
 
+@pytest.mark.timing
 def test_decode_time_follows_the_model_alone_and_in_a_batch(model_dirs):
     latency = SimLatencyConfig(decode_base_s=0.02, decode_s_per_seq=0.01, prefill_s_per_token=0.0)
     engine = SimEngine(model_dirs[0], latency)
@@ -49,6 +50,7 @@ def test_decode_time_follows_the_model_alone_and_in_a_batch(model_dirs):
     assert batch == pytest.approx(20 * (0.02 + 0.01 * 8), rel=0.25), "eight sequences share each step, which grows with them"
 
 
+@pytest.mark.timing
 def test_prefill_is_paid_per_prompt_token_at_admission(model_dirs):
     engine = SimEngine(model_dirs[0], SimLatencyConfig(decode_base_s=0.0, decode_s_per_seq=0.0, prefill_s_per_token=0.05))
     try:
@@ -98,6 +100,7 @@ def test_an_abort_takes_only_its_request_and_leaves_the_queue_queued(model_dirs)
     assert max(int(size) for size in engine.stats()["decode_batch_sizes"]) == 2, "never more than max_batch_size at once"
 
 
+@pytest.mark.timing
 def test_update_weights_takes_the_load_time_and_is_reported(model_dirs):
     engine = SimEngine(model_dirs[0], SimLatencyConfig(load_s_per_gb=500.0), weight_version="0")
     try:

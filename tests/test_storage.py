@@ -182,6 +182,7 @@ def test_rejection_reason_separates_hopeless_errors_from_transient_ones(err, per
     assert (rejection_reason(err) is not None) is permanent
 
 
+@pytest.mark.timing
 def test_rejected_requests_fail_at_once_and_throttling_is_retried():
     store = RunStore(fsspec.filesystem("memory"), "/retry-test", "memory://retry-test", 0.6)
     calls = []
