@@ -218,8 +218,10 @@ class Generator:
         return self.fleet.version if self._loading_version is None else self._loading_version
 
     def refresh_weights(self, while_loading: Callable[[], object] | None = None) -> dict[str, float] | None:
-        """Load the newest committed snapshot into the engines if it is newer; None if there
-        was none, else where the time went: `fetch_seconds` (download and verify),
+        """Load the newest committed snapshot into the engines if it is another than theirs:
+        newer, or older when a resumed trainer withdrew the engines' version with the snapshots
+        after its checkpoint (tasks/snapshots.py `withdraw_after`). None if there was none to
+        load, else where the time went: `fetch_seconds` (download and verify),
         `pause_seconds` (every engine confirming a pause), `load_seconds` (from then until every
         engine has loaded and continued) and `start_seconds` (`while_loading`, during the load).
         The local copy of the weights loaded before is removed: only the engines' current
@@ -241,7 +243,7 @@ class Generator:
         verifies: the trainer publishes one every `publish_every` steps. Crashing here instead
         would take the whole generation side down for one bad object."""
         newest = latest_version(self.store)
-        if newest is None or newest <= self.fleet.version or newest in self.rejected_snapshots:
+        if newest is None or newest == self.fleet.version or newest in self.rejected_snapshots:
             return None
         began = time.monotonic()
         previous = self.fleet.model_dir

@@ -72,11 +72,14 @@ def select_batch(
 ) -> tuple[list[Candidate], list[Candidate]]:
     """Split `candidates` into (batch, stale).
 
-    `stale` are groups past the bound: drop and count them. `batch` is the `groups_per_step`
+    `stale` are groups past the bound, to drop and count, and groups of a version ahead of the
+    trainer's, which only a snapshot withdrawn when the trainer resumed from its checkpoint can
+    have generated (tasks/snapshots.py `withdraw_after`): reading them quarantines them as from
+    the future. `batch` is the `groups_per_step`
     oldest trainable groups (oldest first, so the ones closest to going stale are used), or []
     while fewer than that are ready.
     """
-    stale = [c for c in candidates if lag_of(trainer_version, c.policy_version) > max_lag]
+    stale = [c for c in candidates if not 0 <= lag_of(trainer_version, c.policy_version) <= max_lag]
     fresh = sorted(
         (c for c in candidates if 0 <= lag_of(trainer_version, c.policy_version) <= max_lag),
         key=lambda c: (c.policy_version, c.key),

@@ -2,9 +2,9 @@
 
 `Learner` is what the training flow runs, one `train_step` per Prefect task run. Each step:
 
-1. `admit_batch` lists shards in the lag window [V - max_lag, V] (a few prefix listings), and
-   gives a version directory that falls out of the window one last look, dropping what is left
-   there as stale. Groups are picked oldest first (tasks/lag.py `select_batch`), read and
+1. `admit_batch` lists shards from the lag window's floor V - max_lag on (a few prefix
+   listings), and gives a version directory that falls out of the window one last look,
+   dropping what is left there as stale. Groups are picked oldest first (tasks/lag.py `select_batch`), read and
    validated; a bad shard goes to quarantine and another group takes its place. It waits
    (polling, counted as idle time) until `prompts_per_step` trainable groups are there, and
    while a batch would take younger groups before the last-chance groups still in flight
@@ -17,7 +17,10 @@
 The ledger records every shard key the learner has disposed of (trained, dropped stale,
 quarantined, duplicate of a group already trained) and every trained group id. It is saved in each checkpoint, so a restarted trainer
 resumes at the checkpoint's step knowing exactly which shards that lineage of weights has seen:
-none is trained twice, and none that it had not trained is skipped.
+none is trained twice, and none that it had not trained is skipped. What the dead trainer did after
+that checkpoint is withdrawn: its later snapshots are deleted and LATEST moved back
+(tasks/snapshots.py `withdraw_after`), and shards generated on them, whose version is then ahead
+of the trainer's, are quarantined as from the future and generated again.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from tasks.lag import Candidate, TrainerState, groups_in_flight, lag_of, publish
 from tasks.loss import group_advantages
 from tasks.metrics import MetricsLog
 from tasks.shards import list_shards, parse_shard_key, quarantined_keys, read_valid_shards, table_to_rollouts
-from tasks.snapshots import apply_retention, publish_snapshot
+from tasks.snapshots import apply_retention, publish_snapshot, snapshot_versions, withdraw_after
 from tasks.trainer import Trainer, build_batch
 
 LEDGER_KEY = "lag/ledger.json"
@@ -103,6 +106,7 @@ class Learner:
         """Restore the newest checkpoint (weights, optimizer, RNGs, ledger); its step, or None."""
         step = latest_checkpoint_step(self.store)
         if step is None:
+            self._withdraw_later_snapshots(0)  # a trainer that died before its first checkpoint: this one starts at v0
             return None
         self.trainer = Trainer(self.trainer.model, self.config.training, version=step, ref_model=self.ref_model,
                                sampling_temperature=self.config.generation.temperature)  # fmt: skip
@@ -112,7 +116,25 @@ class Learner:
             self._dispose(key, "quarantined", samples=1)  # moved after the checkpoint: never listed again
         self.window_floor = max(0, step - self.config.lag.max_lag)
         self.metrics.log("resumed", version=step, disposed=len(self.ledger.disposed))
+        self._withdraw_later_snapshots(step)
         return step
+
+    def _withdraw_later_snapshots(self, step: int) -> None:
+        """Withdraw the snapshots a dead trainer published after checkpoint `step` (0: it had none,
+        and this trainer starts from the initial weights): this trainer
+        publishes other weights under their numbers. Its own v{step} is published first where
+        `publish_every` or retention left none, for LATEST to name; the trainer state goes back
+        to `step` with LATEST, as generators size their admission by it."""
+        kept = snapshot_versions(self.store)
+        if not kept or kept[-1] <= step:
+            return
+        if step not in kept:
+            publish_snapshot(self.store, self.trainer.model, self.tokenizer, step)
+        withdrawn = withdraw_after(self.store, step)
+        publish_trainer_state(self.store, TrainerState(step, self.ledger.lost_groups))
+        self.metrics.log("withdrawn", version=step, versions=withdrawn)
+        print(f"withdrew {', '.join(f'v{v}' for v in withdrawn)}: published after checkpoint v{step} by a trainer that "
+              f"did not reach its next one; LATEST is v{step} again")  # fmt: skip
 
     def admit_batch(self, should_stop: Callable[[], bool] = lambda: False, poll_seconds: float = 0.2) -> dict[str, pa.Table] | None:
         """The next batch's shards (key -> table), waiting until enough are there; None if told to stop."""
@@ -224,8 +246,9 @@ class Learner:
     # -- internals ---------------------------------------------------------------------------
 
     def _candidates(self, exclude: dict[str, pa.Table]) -> list[Candidate]:
-        """Committed, undisposed shards from the oldest version directory still worth a look."""
-        keys = list_shards(self.store, min_version=self.window_floor, max_version=self.version)
+        """Committed, undisposed shards from the oldest version directory still worth a look on:
+        with those of versions ahead of the trainer's, which only a withdrawn snapshot generated."""
+        keys = list_shards(self.store, min_version=self.window_floor)
         self.window_floor = max(self.window_floor, self.version - self.config.lag.max_lag)
         return [
             Candidate(key, parse_shard_key(key).version)

@@ -2,7 +2,8 @@
 
     weights/v{V:08d}/           HF model dir (config.json, *.safetensors, tokenizer files),
                                 committed by MANIFEST.json written last (infra/manifest.py)
-    weights/LATEST              {"version": V}, moved only after V's manifest exists, only forward
+    weights/LATEST              {"version": V}, moved only after V's manifest exists; forward,
+                                but back to a resumed trainer's checkpoint (`withdraw_after`)
     weights/pins/{consumer}.json  {"version": V}: a generator or engine is using V; keep it
 
 Why this shape: a generator polls LATEST and loads what it names, so LATEST must never name a
@@ -17,6 +18,12 @@ retention sweep while an engine reads it, stray uncommitted files in the store n
 from_pretrained, and every backend takes one code path. On file:// the fetch hard-links the
 committed files when the cache is on the same filesystem (a committed file is never rewritten, so
 the link keeps the verified bytes); elsewhere it copies them, which an S3 reader pays anyway.
+
+A trainer resumed from its checkpoint at step K numbers its next snapshots K+1, K+2, ... again,
+with weights other than those its dead predecessor published under those numbers.
+`withdraw_after(K)` moves LATEST back to K and deletes the predecessor's later snapshots (pinned
+or not: no consumer may go on with a withdrawn lineage), so that a version number names one set
+of weights again, and the generators, which follow LATEST back, serve the resumed trainer's.
 
 A consumer that must not lose its snapshot mid-load pins it first (`pin_snapshot`), then loads;
 a ManifestError from `load_snapshot` means the version was retired meanwhile: read LATEST again.
@@ -174,14 +181,29 @@ def apply_retention(
     keep |= {v for v in committed if v % keep_every == 0}
     if latest is not None:
         keep.add(latest)
-    deleted = []
-    for version in committed:
-        if version not in keep:
-            prefix = snapshot_prefix(version)
-            store.delete(f"{prefix}/{MANIFEST_NAME}")  # first: readers stop seeing it
-            store.delete_prefix(prefix)
-            deleted.append(version)
+    deleted = [version for version in committed if version not in keep]
+    for version in deleted:
+        _delete_snapshot(store, version)
     return deleted
+
+
+def withdraw_after(store: RunStore, version: int) -> list[int]:
+    """Move LATEST back to committed snapshot `version` and delete every snapshot after it, newest
+    first; returns the versions deleted. For a trainer resumed from its checkpoint at `version`
+    (module docstring)."""
+    later = [v for v in snapshot_versions(store) if v > version]
+    if later:
+        committed_version(store, version)  # LATEST must never name a snapshot that is not there
+        store.write_atomic(LATEST_KEY, json.dumps({"version": version}).encode())
+        for v in reversed(later):
+            _delete_snapshot(store, v)
+    return later
+
+
+def _delete_snapshot(store: RunStore, version: int) -> None:
+    prefix = snapshot_prefix(version)
+    store.delete(f"{prefix}/{MANIFEST_NAME}")  # first: readers stop seeing it
+    store.delete_prefix(prefix)
 
 
 def _read_version(store: RunStore, key: str) -> int:

@@ -23,7 +23,7 @@ from tasks.generator import Generator, generate_group, snapshot_dir_for_engines
 from tasks.lag import TrainerState, admission_capacity, publish_trainer_state
 from tasks.rundir import initialize_run
 from tasks.shards import list_shards
-from tasks.snapshots import publish_snapshot_dir
+from tasks.snapshots import publish_snapshot_dir, withdraw_after
 
 pytestmark = pytest.mark.slow  # every test starts an engine
 
@@ -160,3 +160,15 @@ def test_a_load_leaves_only_the_loaded_version_on_local_disk(generator):
     gen.fleet.processes[0].stop()
     assert gen.fleet.restart_dead() == gen.fleet.urls, "an engine that died restarts on the version kept"
     assert httpx.get(gen.fleet.urls[0] + "/server_info", timeout=10).json()["weight_version"] == "1"
+
+
+def test_engines_follow_latest_back_when_a_resumed_trainer_withdraws_their_version(generator):
+    """A trainer resumed from its checkpoint at v0 withdrew v1, which the engines serve: they load
+    v0 again rather than go on generating on weights no trainer has."""
+    gen, store = generator
+    _publish_v1(gen, store)
+    assert gen.refresh_weights() and gen.fleet.version == 1
+    assert withdraw_after(store, 0) == [1]
+    assert gen.refresh_weights() and gen.fleet.version == gen.loaded_version == 0
+    assert engine_info(gen)["weight_version"] == "0"
+    assert gen.refresh_weights() is None, "then nothing to load until LATEST moves"

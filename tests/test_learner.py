@@ -12,7 +12,8 @@ from infra.storage import open_run_store
 from tasks.lag import admission_capacity, read_trainer_state
 from tasks.learner import Learner
 from tasks.metrics import MetricsLog
-from tasks.shards import shard_key, write_shard
+from tasks.shards import quarantined_keys, shard_key, write_shard
+from tasks.snapshots import latest_version, snapshot_versions
 from tests.test_shards import make_rollouts
 
 
@@ -24,8 +25,8 @@ def make_learner(tmp_path: Path) -> Learner:
     return Learner(config, store, model, tokenizer, tmp_path / "cache", MetricsLog(store, "trainer"))
 
 
-def write_group(learner: Learner, group: str, seq: int) -> str:
-    rollouts = [dataclasses.replace(r, group_id=group) for r in make_rollouts(n=4, version=0)]
+def write_group(learner: Learner, group: str, seq: int, version: int = 0) -> str:
+    rollouts = [dataclasses.replace(r, group_id=group) for r in make_rollouts(n=4, version=version)]
     return write_shard(learner.store, rollouts, "gen0", seq).key
 
 
@@ -146,3 +147,37 @@ def test_a_resumed_trainer_counts_the_shards_quarantined_after_its_checkpoint(tm
     resumed = make_learner(tmp_path)
     assert resumed.resume() == 1
     assert resumed.ledger.disposed.get(bad) == "quarantined" and resumed.ledger.lost_groups == 1
+
+
+def test_a_resumed_trainer_withdraws_what_its_predecessor_published_after_the_checkpoint(tmp_path: Path):
+    """The trainer checkpointed at v1, stepped to v2, published it, and died; generators played
+    groups on its v2. The resumed trainer publishes other weights as v2: the old v2 goes, LATEST
+    and the trainer state say v1 again, and the groups played on the old v2 are quarantined as
+    from the future and owed again. Before, they waited for the new v2 and were trained as its."""
+    learner = make_learner(tmp_path)
+    for slot in range(2):
+        write_group(learner, f"s{slot:08d}", seq=slot)
+    learner.train_step(learner.admit_batch(poll_seconds=0.01))
+    learner._checkpoint()  # the checkpoint at v1
+    second = [write_group(learner, f"s{slot:08d}", seq=slot) for slot in range(2, 4)]
+    learner.train_step(learner.admit_batch(poll_seconds=0.01))  # v2 published, then the trainer dies
+    played_on_v2 = [write_group(learner, f"s{slot:08d}", seq=slot, version=2) for slot in range(4, 6)]
+    assert snapshot_versions(learner.store) == [1, 2] and read_trainer_state(learner.store).version == 2
+    resumed = make_learner(tmp_path)
+    assert resumed.resume() == 1
+    assert snapshot_versions(resumed.store) == [1] and latest_version(resumed.store) == 1
+    assert read_trainer_state(resumed.store).version == 1
+    assert sorted(resumed.admit_batch(poll_seconds=0.01)) == second, "this lineage trains the dead one's step 2 again"
+    assert [resumed.ledger.disposed.get(key) for key in played_on_v2] == ["quarantined"] * 2
+    assert set(played_on_v2) <= quarantined_keys(resumed.store) and resumed.ledger.lost_groups == 2
+
+
+def test_a_trainer_that_died_before_its_first_checkpoint_has_its_snapshots_withdrawn_too(tmp_path: Path):
+    learner = make_learner(tmp_path)
+    for slot in range(2):
+        write_group(learner, f"s{slot:08d}", seq=slot)
+    learner.train_step(learner.admit_batch(poll_seconds=0.01))  # v1 published, no checkpoint yet
+    resumed = make_learner(tmp_path)
+    assert resumed.resume() is None and resumed.version == 0
+    assert snapshot_versions(resumed.store) == [0] and latest_version(resumed.store) == 0
+    assert read_trainer_state(resumed.store).version == 0

@@ -31,6 +31,7 @@ from infra.modelfactory import build_model, build_tokenizer, load_model, load_to
 from infra.storage import RunStore, open_run_store
 from tasks.generator import snapshot_dir_for_engines
 from tasks.snapshots import (
+    SnapshotMissing,
     apply_retention,
     latest_version,
     load_snapshot,
@@ -40,6 +41,7 @@ from tasks.snapshots import (
     snapshot_prefix,
     snapshot_versions,
     unpin_snapshot,
+    withdraw_after,
 )
 
 TINY = ModelConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64)
@@ -275,6 +277,30 @@ def test_retention_never_deletes_latest(store, tmp_path) -> None:
     assert latest_version(store) == 1
     assert apply_retention(store, keep_last=1, keep_every=100) == [2]
     assert snapshot_versions(store) == [1, 3]
+
+
+def test_withdrawing_after_a_checkpoint_moves_latest_back_and_deletes_the_later_snapshots(store, tmp_path) -> None:
+    """A trainer resumed from step 1 publishes v2 and v3 again, with other weights: the dead
+    trainer's v2 and v3 go, a pinned one too, manifest first, and LATEST names v1 again."""
+    for version in range(4):
+        publish_snapshot_dir(store, fake_snapshot(tmp_path, version), version)
+    pin_snapshot(store, "gen0", 3)
+    assert withdraw_after(store, 3) == [] and latest_version(store) == 3, "nothing after the newest: nothing moves"
+    assert withdraw_after(store, 1) == [2, 3]
+    assert snapshot_versions(store) == [0, 1] and latest_version(store) == 1
+    assert not [key for key in store.list_recursive(snapshot_prefix(3)) if key.startswith(snapshot_prefix(3) + "/")]
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    publish_snapshot_dir(store, fake_snapshot(resumed, 2), 2)
+    assert latest_version(store) == 2, "the resumed trainer's v2 moves LATEST forward as any publish does"
+
+
+def test_withdrawing_back_to_a_version_not_kept_is_refused(store, tmp_path) -> None:
+    for version in (0, 2):
+        publish_snapshot_dir(store, fake_snapshot(tmp_path, version), version)
+    with pytest.raises(SnapshotMissing, match="v1"):
+        withdraw_after(store, 1)
+    assert snapshot_versions(store) == [0, 2] and latest_version(store) == 2, "LATEST never names a missing snapshot"
 
 
 @pytest.mark.parametrize("name", ["../x", "/tmp/x", "sub/../../x", "a\\..\\x", ".hidden", "", "a//b"])
