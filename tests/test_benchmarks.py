@@ -53,6 +53,7 @@ def test_storage_benchmark_quick_run(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(660)  # the run's own bound, not pytest's 300 s: 150-190 s alone, over 300 s beside other tests
 def test_learning_benchmark_quick_run(tmp_path: Path) -> None:
     out, scratch = tmp_path / "learning.json", tmp_path / "tmp"
     scratch.mkdir()
@@ -71,6 +72,7 @@ def test_learning_benchmark_quick_run(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(960)  # the run's own bound, not pytest's 300 s: 180-210 s alone, 245 s beside other tests
 def test_scaling_benchmark_quick_run(tmp_path: Path) -> None:
     """--quick runs N = 1 and 3 at max_lag 0 and 2 and reports table, JSON and plot; the runs keep
     the accounting identity and the lag bound, and no run measures a step while another runs.
