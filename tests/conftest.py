@@ -31,6 +31,10 @@ def session_tmpdir(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("tmpdir")
     patch = pytest.MonkeyPatch()
     patch.setenv("TMPDIR", str(path))
+    # The Prefect home (database, settings) of the runs the tests start as processes: one per
+    # pytest process, so that two workers (make test) never share the SQLite file of Prefect's
+    # temporary server, and the user's ~/.prefect stays untouched.
+    patch.setenv("PREFECT_HOME", str(tmp_path_factory.mktemp("prefect-home")))
     patch.setattr(tempfile, "tempdir", None)  # gettempdir() reads TMPDIR again
     yield path
     patch.undo()
