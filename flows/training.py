@@ -46,15 +46,24 @@ def admit_batch(learner: Learner, pipeline: PipelineWatch) -> dict[str, pa.Table
 
 
 @task(cache_policy=NONE, retries=1, retry_delay_seconds=2)
-def train_step(learner: Learner, shards: dict[str, pa.Table]) -> dict:
-    """One optimizer step, then the snapshot, trainer state and checkpoint it is due."""
-    return learner.train_step(shards)
+def train_step(learner: Learner, shards: dict[str, pa.Table], pipeline: PipelineWatch) -> dict:
+    """One optimizer step, then the snapshot, trainer state and checkpoint it is due: unless the
+    pipeline gave the run up during the step. A successor pipeline may have withdrawn the
+    snapshots after its checkpoint already (tasks/lag.py `reopen_run`), and this step's would be
+    one more of a lineage nobody continues, for its generators to load."""
+
+    def check_still_held() -> None:
+        if (why := pipeline.gone(now=True)) is not None:
+            raise GenerationStopped(f"training stopped with v{learner.version} unpublished: {why}")
+
+    return learner.train_step(shards, before_publish=check_still_held)
 
 
 @flow(name="training", log_prints=True)
 def training(config: RunConfig, pipeline_claim: str | None = None) -> dict:
-    """Train `config`'s run to `training.steps`, resuming from its newest checkpoint; between
-    steps, stop if the pipeline whose lease claim is `pipeline_claim` no longer holds the run.
+    """Train `config`'s run to `training.steps`, resuming from its newest checkpoint; stop if the
+    pipeline whose lease claim is `pipeline_claim` no longer holds the run: while waiting for data
+    (at most every `WATCH_SECONDS`), and before each step's first write (every time).
 
     If it fails, the trainer state is marked done first, so that the run's generators stop
     instead of waiting for a trainer that will not come back; not if another pipeline has taken
@@ -82,7 +91,7 @@ def _train(config: RunConfig, store: RunStore, cache: Path, pipeline: PipelineWa
         print(f"resumed from checkpoint at version {resumed}")
     progress = TrainingProgress(config, learner.version)
     while learner.version < config.training.steps:
-        record = train_step(learner, admit_batch(learner, pipeline))
+        record = train_step(learner, admit_batch(learner, pipeline), pipeline)
         progress.step_done(record)
         if learner.version % config.training.publish_every == 0:
             _announce(config, store, learner.version)

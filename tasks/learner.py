@@ -17,10 +17,10 @@
 The ledger records every shard key the learner has disposed of (trained, dropped stale,
 quarantined, duplicate of a group already trained) and every trained group id. It is saved in each checkpoint, so a restarted trainer
 resumes at the checkpoint's step knowing exactly which shards that lineage of weights has seen:
-none is trained twice, and none that it had not trained is skipped. What the dead trainer did after
-that checkpoint is withdrawn: its later snapshots are deleted and LATEST moved back
-(tasks/snapshots.py `withdraw_after`), and shards generated on them, whose version is then ahead
-of the trainer's, are quarantined as from the future and generated again.
+none is trained twice, and none that it had not trained is skipped. The snapshots the dead trainer
+published after that checkpoint were withdrawn before it resumed (tasks/lag.py `reopen_run`), and
+shards generated on them, whose version is then ahead of the trainer's, are quarantined as from
+the future and generated again.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from tasks.lag import Candidate, TrainerState, groups_in_flight, lag_of, publish
 from tasks.loss import group_advantages
 from tasks.metrics import MetricsLog
 from tasks.shards import list_shards, parse_shard_key, quarantined_keys, read_valid_shards, table_to_rollouts
-from tasks.snapshots import apply_retention, publish_snapshot, snapshot_versions, withdraw_after
+from tasks.snapshots import apply_retention, publish_snapshot, snapshot_versions
 from tasks.trainer import Trainer, build_batch
 
 LEDGER_KEY = "lag/ledger.json"
@@ -106,7 +106,6 @@ class Learner:
         """Restore the newest checkpoint (weights, optimizer, RNGs, ledger); its step, or None."""
         step = latest_checkpoint_step(self.store)
         if step is None:
-            self._withdraw_later_snapshots(0)  # a trainer that died before its first checkpoint: this one starts at v0
             return None
         self.trainer = Trainer(self.trainer.model, self.config.training, version=step, ref_model=self.ref_model,
                                sampling_temperature=self.config.generation.temperature)  # fmt: skip
@@ -116,25 +115,11 @@ class Learner:
             self._dispose(key, "quarantined", samples=1)  # moved after the checkpoint: never listed again
         self.window_floor = max(0, step - self.config.lag.max_lag)
         self.metrics.log("resumed", version=step, disposed=len(self.ledger.disposed))
-        self._withdraw_later_snapshots(step)
-        return step
-
-    def _withdraw_later_snapshots(self, step: int) -> None:
-        """Withdraw the snapshots a dead trainer published after checkpoint `step` (0: it had none,
-        and this trainer starts from the initial weights): this trainer
-        publishes other weights under their numbers. Its own v{step} is published first where
-        `publish_every` or retention left none, for LATEST to name; the trainer state goes back
-        to `step` with LATEST, as generators size their admission by it."""
-        kept = snapshot_versions(self.store)
-        if not kept or kept[-1] <= step:
-            return
-        if step not in kept:
+        if step not in snapshot_versions(self.store):
+            # Retired, or skipped by publish_every: LATEST, moved back to the newest snapshot up to
+            # this step (tasks/lag.py `reopen_run`), may name one too old to generate what it needs.
             publish_snapshot(self.store, self.trainer.model, self.tokenizer, step)
-        withdrawn = withdraw_after(self.store, step)
-        publish_trainer_state(self.store, TrainerState(step, self.ledger.lost_groups))
-        self.metrics.log("withdrawn", version=step, versions=withdrawn)
-        print(f"withdrew {', '.join(f'v{v}' for v in withdrawn)}: published after checkpoint v{step} by a trainer that "
-              f"did not reach its next one; LATEST is v{step} again")  # fmt: skip
+        return step
 
     def admit_batch(self, should_stop: Callable[[], bool] = lambda: False, poll_seconds: float = 0.2) -> dict[str, pa.Table] | None:
         """The next batch's shards (key -> table), waiting until enough are there; None if told to stop."""
@@ -177,19 +162,22 @@ class Learner:
         self.idle_seconds += self.wait_seconds
         return chosen
 
-    def train_step(self, shards: dict[str, pa.Table]) -> dict:
+    def train_step(self, shards: dict[str, pa.Table], before_publish: Callable[[], None] = lambda: None) -> dict:
         """One RL step on `shards`; then publish, share the trainer state, checkpoint.
 
         Called again with the same shards after its publish or checkpoint failed (the training
         flow retries the task once after a storage outage longer than storage.retry_seconds), it
         finishes the step it applied instead of stepping again: a second optimizer step on one
-        batch would count its groups twice and could train a last-chance group past max_lag."""
+        batch would count its groups twice and could train a last-chance group past max_lag.
+        `before_publish` runs between the step and its first write, and raises to write nothing
+        (the training flow's check that its pipeline still holds the run)."""
         started = time.monotonic()
         if self._unfinished is None:
             self._unfinished = (set(shards), self._apply_step(shards, started))
         elif self._unfinished[0] != set(shards):
             raise RuntimeError(f"v{self.version} is applied but not published: finish it before training other shards")
         step = self._unfinished[1]
+        before_publish()
         published = time.monotonic()
         self._publish()
         publish_seconds = time.monotonic() - published

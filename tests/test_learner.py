@@ -1,19 +1,24 @@
-"""The learner's admission against a real run directory: a group reaches a batch once, however
-many copies of its shard storage holds (benchmarks/faults.py copies one under a second key)."""
+"""The learner against a real run directory: a group reaches a batch once, however many copies
+of its shard storage holds (benchmarks/faults.py copies one under a second key); a restarted
+run's trainer meets nothing of what its dead predecessor published after their checkpoint; and a
+step whose pipeline gave the run up writes nothing."""
 
 from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
 
+import pytest
+
 from configs import TINY_CONFIG, load_config
 from infra.modelfactory import build_model, build_tokenizer
 from infra.storage import open_run_store
-from tasks.lag import admission_capacity, read_trainer_state
+from tasks.checkpoints import latest_checkpoint_step
+from tasks.lag import admission_capacity, read_trainer_state, reopen_run
 from tasks.learner import Learner
 from tasks.metrics import MetricsLog
 from tasks.shards import quarantined_keys, shard_key, write_shard
-from tasks.snapshots import latest_version, snapshot_versions
+from tasks.snapshots import apply_retention, latest_version, load_snapshot, publish_snapshot, snapshot_versions
 from tests.test_shards import make_rollouts
 
 
@@ -149,12 +154,23 @@ def test_a_resumed_trainer_counts_the_shards_quarantined_after_its_checkpoint(tm
     assert resumed.ledger.disposed.get(bad) == "quarantined" and resumed.ledger.lost_groups == 1
 
 
-def test_a_resumed_trainer_withdraws_what_its_predecessor_published_after_the_checkpoint(tmp_path: Path):
+
+def restart_run(tmp_path: Path) -> Learner:
+    """What a pipeline started again does before its trainer: reopen the run from the newest
+    checkpoint (withdrawing the snapshots after it), then resume a fresh trainer."""
+    resumed = make_learner(tmp_path)
+    reopen_run(resumed.store, latest_checkpoint_step(resumed.store) or 0)
+    resumed.resume()
+    return resumed
+
+
+def test_a_restarted_run_withdraws_what_the_dead_trainer_published_after_its_checkpoint(tmp_path: Path):
     """The trainer checkpointed at v1, stepped to v2, published it, and died; generators played
     groups on its v2. The resumed trainer publishes other weights as v2: the old v2 goes, LATEST
     and the trainer state say v1 again, and the groups played on the old v2 are quarantined as
     from the future and owed again. Before, they waited for the new v2 and were trained as its."""
     learner = make_learner(tmp_path)
+    publish_snapshot(learner.store, learner.trainer.model, learner.tokenizer, 0)  # the run's v0, as `tandem init` commits it
     for slot in range(2):
         write_group(learner, f"s{slot:08d}", seq=slot)
     learner.train_step(learner.admit_batch(poll_seconds=0.01))
@@ -162,22 +178,45 @@ def test_a_resumed_trainer_withdraws_what_its_predecessor_published_after_the_ch
     second = [write_group(learner, f"s{slot:08d}", seq=slot) for slot in range(2, 4)]
     learner.train_step(learner.admit_batch(poll_seconds=0.01))  # v2 published, then the trainer dies
     played_on_v2 = [write_group(learner, f"s{slot:08d}", seq=slot, version=2) for slot in range(4, 6)]
-    assert snapshot_versions(learner.store) == [1, 2] and read_trainer_state(learner.store).version == 2
-    resumed = make_learner(tmp_path)
-    assert resumed.resume() == 1
-    assert snapshot_versions(resumed.store) == [1] and latest_version(resumed.store) == 1
+    assert snapshot_versions(learner.store) == [0, 1, 2] and read_trainer_state(learner.store).version == 2
+    resumed = restart_run(tmp_path)
+    assert resumed.version == 1 and snapshot_versions(resumed.store) == [0, 1] and latest_version(resumed.store) == 1
     assert read_trainer_state(resumed.store).version == 1
     assert sorted(resumed.admit_batch(poll_seconds=0.01)) == second, "this lineage trains the dead one's step 2 again"
     assert [resumed.ledger.disposed.get(key) for key in played_on_v2] == ["quarantined"] * 2
     assert set(played_on_v2) <= quarantined_keys(resumed.store) and resumed.ledger.lost_groups == 2
 
 
-def test_a_trainer_that_died_before_its_first_checkpoint_has_its_snapshots_withdrawn_too(tmp_path: Path):
+def test_a_trainer_resumed_past_the_snapshots_kept_publishes_its_own_version(tmp_path: Path):
+    """Retention kept v0 and LATEST v2 but not v1, the checkpoint's version: the run reopens on
+    v0, which the trainer at v1 cannot wait on for long, and the trainer publishes its v1 from
+    the checkpoint as it resumes."""
+    learner = make_learner(tmp_path)
+    publish_snapshot(learner.store, learner.trainer.model, learner.tokenizer, 0)
+    for slot in range(4):
+        write_group(learner, f"s{slot:08d}", seq=slot)
+    learner.train_step(learner.admit_batch(poll_seconds=0.01))
+    learner._checkpoint()  # the checkpoint at v1
+    learner.train_step(learner.admit_batch(poll_seconds=0.01))
+    assert apply_retention(learner.store, keep_last=1, keep_every=1000) == [1]
+    resumed = restart_run(tmp_path)
+    assert resumed.version == 1 and snapshot_versions(resumed.store) == [0, 1] and latest_version(resumed.store) == 1
+    assert load_snapshot(resumed.store, tmp_path / "check", 1) and read_trainer_state(resumed.store).version == 1
+
+
+def test_a_step_whose_pipeline_gave_the_run_up_writes_nothing(tmp_path: Path):
+    """The training flow's check between the step and its writes raises once another pipeline has
+    the run: no snapshot, no trainer state, for the successor's generators to meet."""
     learner = make_learner(tmp_path)
     for slot in range(2):
         write_group(learner, f"s{slot:08d}", seq=slot)
-    learner.train_step(learner.admit_batch(poll_seconds=0.01))  # v1 published, no checkpoint yet
-    resumed = make_learner(tmp_path)
-    assert resumed.resume() is None and resumed.version == 0
-    assert snapshot_versions(resumed.store) == [0] and latest_version(resumed.store) == 0
-    assert read_trainer_state(resumed.store).version == 0
+    shards = learner.admit_batch(poll_seconds=0.01)
+
+    def taken_over() -> None:
+        raise RuntimeError("pipeline p2 has taken the run over")
+
+    with pytest.raises(RuntimeError, match="taken the run over"):
+        learner.train_step(shards, before_publish=taken_over)
+    assert snapshot_versions(learner.store) == [] and not learner.store.exists("lag/trainer.json")
+    learner.train_step(shards)  # the same trainer, still holding the run, finishes the step it applied
+    assert snapshot_versions(learner.store) == [1] and read_trainer_state(learner.store).version == 1
