@@ -340,7 +340,8 @@ def recovery_events(store: RunStore, ledger: dict) -> list[str]:
             elif r["event"] == "resumed":
                 events.append(f"{component}: resumed from the step-{r['version']} checkpoint")
             elif r["event"] == "withdrawn":
-                events.append(f"{component}: withdrew {', '.join(f'v{v}' for v in r['versions'])}, published after that checkpoint")
+                events.append(f"{component}: withdrew {', '.join(f'v{v}' for v in r['versions'])}, published after the "
+                              f"step-{r['checkpoint']} checkpoint")  # fmt: skip
             elif r["event"] == "orphans_reclaimed":
                 events.append(f"{component}: {len(r['slots'])} orphaned slots regenerated")
     quarantined = [k for k, fate in ledger["disposed"].items() if fate == "quarantined"]

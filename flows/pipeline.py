@@ -43,12 +43,13 @@ from flows.training import training
 from flows.ui import publish_summary
 from infra.prefect_server import stop_temporary_server
 from infra.storage import RunStore, open_run_store
+from tasks.checkpoints import latest_checkpoint_step
 from tasks.lag import reopen_run, request_stop
 from tasks.lease import hold_run
-from tasks.metrics import read_metrics
+from tasks.metrics import MetricsLog, read_metrics
 from tasks.report import write_summary
 from tasks.rundir import RunConflict, check_run_inputs, initialize_run
-from tasks.snapshots import committed_version
+from tasks.snapshots import committed_at, committed_version
 
 INTERRUPT_GRACE_SECONDS = 10.0
 """How long an interrupted pipeline waits for its trainer and generators to stop: a training step
@@ -130,7 +131,12 @@ def pipeline(config: RunConfig | None = None, run_id: RunId | None = None) -> di
 
 
 def _train_and_report(config: RunConfig, store: RunStore, url: str, claim: str) -> dict:
-    reopen_run(store)
+    checkpoint = latest_checkpoint_step(store) or 0
+    withdrawn = reopen_run(store, checkpoint)
+    if withdrawn:
+        MetricsLog(store, "pipeline", flush_seconds=0).log("withdrawn", checkpoint=checkpoint, versions=withdrawn)
+        print(f"withdrew {', '.join(f'v{v}' for v in withdrawn)}: published after the checkpoint at v{checkpoint} by a "
+              "trainer that stopped before its next one; the trainer resumed from it publishes these versions again")  # fmt: skip
     before = score_newest_snapshot(config, store)
     if config.prefect.mode == "deployed":
         Supervisor(config, claim).run()
@@ -161,12 +167,16 @@ def score_newest_snapshot(config: RunConfig, store: RunStore) -> dict | None:
 
     A version scored already on the same prompts keeps its recorded score: a continued or resumed
     run starts from the snapshot the last pipeline's closing evaluation (or a triggered one)
-    scored, and greedy decoding would only repeat it, at the cost of an engine of its own."""
+    scored, and greedy decoding would only repeat it, at the cost of an engine of its own. Only a
+    score recorded since that snapshot's commit counts: the number of a withdrawn snapshot
+    (tasks/lag.py `reopen_run`) names other weights once the resumed trainer publishes it again."""
     if not config.env.eval_prompts:
         return None
     version = committed_version(store, None)
+    since = committed_at(store, version)
     for record in reversed(read_metrics(store, "evaluation")):
-        if record.get("event") == "evaluation" and (record.get("version"), record.get("prompts")) == (version, config.env.eval_prompts):
+        if record.get("event") == "evaluation" and (record.get("version"), record.get("prompts")) == (version, config.env.eval_prompts) \
+                and record["time"] >= since:  # fmt: skip
             print(f"v{version}: scored {record['score']:.3f} already, not evaluated again")
             return record
     return evaluation(config, version)

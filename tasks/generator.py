@@ -251,6 +251,8 @@ class Generator:
         try:
             local = load_snapshot(self.store, self.cache_dir / "weights", newest)
         except ManifestError as err:
+            if newest not in snapshot_versions(self.store):
+                return None  # withdrawn meanwhile (tasks/lag.py `reopen_run`): LATEST says what replaces it
             self.rejected_snapshots.add(newest)
             raise SnapshotRejected(newest, str(err)) from err
         fetched = time.monotonic()

@@ -35,6 +35,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from infra.storage import RunStore
+from tasks.snapshots import snapshot_versions, withdraw_after
 
 SLOTS = "lag/slots"
 TRAINER_STATE_KEY = "lag/trainer.json"
@@ -73,11 +74,10 @@ def select_batch(
     """Split `candidates` into (batch, stale).
 
     `stale` are groups past the bound, to drop and count, and groups of a version ahead of the
-    trainer's, which only a snapshot withdrawn when the trainer resumed from its checkpoint can
-    have generated (tasks/snapshots.py `withdraw_after`): reading them quarantines them as from
-    the future. `batch` is the `groups_per_step`
-    oldest trainable groups (oldest first, so the ones closest to going stale are used), or []
-    while fewer than that are ready.
+    trainer's, which only a snapshot withdrawn before the trainer resumed from its checkpoint
+    can have generated (`reopen_run`): reading them quarantines them as from the future.
+    `batch` is the `groups_per_step` oldest trainable groups (oldest first, so the ones closest
+    to going stale are used), or [] while fewer than that are ready.
     """
     stale = [c for c in candidates if not 0 <= lag_of(trainer_version, c.policy_version) <= max_lag]
     fresh = sorted(
@@ -215,14 +215,25 @@ def withdraw_retire(store: RunStore, producer: str) -> None:
     store.delete(f"{RETIRE_PREFIX}/{producer}.json")
 
 
-def reopen_run(store: RunStore) -> None:
-    """Before a run (re)starts: forget an earlier attempt's stop request, and the done mark of
-    a trainer that failed or reached an earlier step target (a continued run trains on), so
-    that the generators it starts do not stop at once."""
+def reopen_run(store: RunStore, checkpoint: int) -> list[int]:
+    """Before a run (re)starts, while none of its generators and no trainer runs: forget an
+    earlier attempt's stop request, and the done mark of a trainer that failed or reached an
+    earlier step target (a continued run trains on), so that the generators it starts do not stop
+    at once; and withdraw the snapshots published after the newest checkpoint (`checkpoint`, 0
+    if none), which the trainer about to resume from it will publish again with other weights
+    (tasks/snapshots.py `withdraw_after`). LATEST goes back to the newest snapshot kept up to the
+    checkpoint, the trainer state to the checkpoint's version; returns the versions withdrawn.
+
+    Here rather than in the trainer: the generators start beside the trainer, and would boot on
+    the withdrawn weights and keep them once the trainer had published their number again."""
     store.delete(STOP_KEY)
+    kept = [version for version in snapshot_versions(store) if version <= checkpoint]
+    withdrawn = withdraw_after(store, kept[-1]) if kept else []
     state = read_trainer_state(store)
-    if state.done:
-        publish_trainer_state(store, TrainerState(state.version, state.lost_groups))
+    if state.done or withdrawn:
+        version = min(state.version, checkpoint) if withdrawn else state.version
+        publish_trainer_state(store, TrainerState(version, state.lost_groups))
+    return withdrawn
 
 
 class SlotClaims:

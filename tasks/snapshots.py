@@ -3,8 +3,9 @@
     weights/v{V:08d}/           HF model dir (config.json, *.safetensors, tokenizer files),
                                 committed by MANIFEST.json written last (infra/manifest.py)
     weights/LATEST              {"version": V}, moved only after V's manifest exists; forward,
-                                but back to a resumed trainer's checkpoint (`withdraw_after`)
-    weights/pins/{consumer}.json  {"version": V}: a generator or engine is using V; keep it
+                                except back to the checkpoint a restarted run resumes from
+    weights/pins/{consumer}.json  {"version": V}: a generator or engine is using V; retention
+                                keeps it (a withdrawal does not)
 
 Why this shape: a generator polls LATEST and loads what it names, so LATEST must never name a
 snapshot that is incomplete or gone. Hence the order publish = upload, manifest, then LATEST; and
@@ -20,13 +21,15 @@ committed files when the cache is on the same filesystem (a committed file is ne
 the link keeps the verified bytes); elsewhere it copies them, which an S3 reader pays anyway.
 
 A trainer resumed from its checkpoint at step K numbers its next snapshots K+1, K+2, ... again,
-with weights other than those its dead predecessor published under those numbers.
-`withdraw_after(K)` moves LATEST back to K and deletes the predecessor's later snapshots (pinned
-or not: no consumer may go on with a withdrawn lineage), so that a version number names one set
-of weights again, and the generators, which follow LATEST back, serve the resumed trainer's.
+with weights other than those its dead predecessor published under those numbers. Before it
+starts, and before any generator of the restarted run does, `withdraw_after(K)` moves LATEST back
+to K and deletes the predecessor's later snapshots, pinned or not (tasks/lag.py `reopen_run`), so
+that the run's generators start on weights the resumed trainer has. `committed_at` tells a
+number's two snapshots apart where that matters (a score recorded for the first).
 
 A consumer that must not lose its snapshot mid-load pins it first (`pin_snapshot`), then loads;
-a ManifestError from `load_snapshot` means the version was retired meanwhile: read LATEST again.
+a ManifestError from `load_snapshot` means the version was retired or withdrawn meanwhile: read
+LATEST again.
 A consumer told which version to use (an evaluation) pins it too, then checks it with
 `committed_version`: a retention pass that starts after the pin keeps the version.
 """
@@ -37,10 +40,11 @@ import json
 import re
 import tempfile
 from collections.abc import Iterable
+from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from infra.manifest import MANIFEST_NAME, commit_directory, fetch_directory
+from infra.manifest import MANIFEST_NAME, commit_directory, fetch_directory, read_manifest
 from infra.storage import RunStore
 
 if TYPE_CHECKING:  # transformers' model classes import torch, which the rollout side never needs
@@ -185,6 +189,12 @@ def apply_retention(
     for version in deleted:
         _delete_snapshot(store, version)
     return deleted
+
+
+def committed_at(store: RunStore, version: int) -> float:
+    """When snapshot `version` was committed: its manifest's time (whole seconds, the writer's
+    clock). A number withdrawn and published again names other weights from then on."""
+    return datetime.fromisoformat(read_manifest(store, snapshot_prefix(version))["created_at"]).timestamp()
 
 
 def withdraw_after(store: RunStore, version: int) -> list[int]:

@@ -23,7 +23,7 @@ from tasks.generator import Generator, generate_group, snapshot_dir_for_engines
 from tasks.lag import TrainerState, admission_capacity, publish_trainer_state
 from tasks.rundir import initialize_run
 from tasks.shards import list_shards
-from tasks.snapshots import publish_snapshot_dir, withdraw_after
+from tasks.snapshots import LATEST_KEY, publish_snapshot_dir, withdraw_after
 
 pytestmark = pytest.mark.slow  # every test starts an engine
 
@@ -172,3 +172,14 @@ def test_engines_follow_latest_back_when_a_resumed_trainer_withdraws_their_versi
     assert gen.refresh_weights() and gen.fleet.version == gen.loaded_version == 0
     assert engine_info(gen)["weight_version"] == "0"
     assert gen.refresh_weights() is None, "then nothing to load until LATEST moves"
+
+
+def test_a_snapshot_withdrawn_while_it_is_fetched_is_not_refused_for_good(generator):
+    """LATEST named v1 when the generator read it, and v1 was withdrawn before the fetch: the load
+    fails, and the generator reads LATEST again rather than refuse the number, which the resumed
+    trainer publishes again."""
+    gen, store = generator
+    store.write_atomic(LATEST_KEY, b'{"version": 1}')  # read before the withdrawal deleted v1
+    assert gen.refresh_weights() is None and gen.fleet.version == 0 and not gen.rejected_snapshots
+    _publish_v1(gen, store)
+    assert gen.refresh_weights() and gen.fleet.version == 1

@@ -213,6 +213,6 @@ def test_reopening_a_run_clears_the_stop_request_and_the_done_mark(file_store):
 
     publish_trainer_state(file_store, TrainerState(version=6, lost_groups=2, done=True))
     request_stop(file_store, "generation gen0 failed")
-    reopen_run(file_store)
+    assert reopen_run(file_store, 6) == [], "no snapshot after the checkpoint: none withdrawn"
     assert stop_reason(file_store) is None
     assert read_trainer_state(file_store) == TrainerState(version=6, lost_groups=2, done=False)

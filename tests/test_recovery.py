@@ -95,7 +95,7 @@ def test_a_trainer_and_a_generator_whose_pipeline_is_gone_stop_by_themselves(tmp
             training(config, "c1")
         assert read_trainer_state(store).done and read_trainer_state(store).version == 0
 
-        reopen_run(store)
+        reopen_run(store, 0)
         ended = threading.Event()
         threading.Thread(target=pipeline_until, args=(ended,), daemon=True).start()
         generator = threading.Thread(target=lambda: outcome.update(generation(config, "gen0", "c1")))
