@@ -219,8 +219,8 @@ class Generator:
 
     def refresh_weights(self, while_loading: Callable[[], object] | None = None) -> dict[str, float] | None:
         """Load the newest committed snapshot into the engines if it is another than theirs:
-        newer, or older when a resumed trainer withdrew the engines' version with the snapshots
-        after its checkpoint (tasks/snapshots.py `withdraw_after`). None if there was none to
+        newer, or older when a restarted run withdrew the engines' version with the other
+        snapshots after its checkpoint (tasks/lag.py `reopen_run`). None if there was none to
         load, else where the time went: `fetch_seconds` (download and verify),
         `pause_seconds` (every engine confirming a pause), `load_seconds` (from then until every
         engine has loaded and continued) and `start_seconds` (`while_loading`, during the load).

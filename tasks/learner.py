@@ -4,11 +4,11 @@
 
 1. `admit_batch` lists shards from the lag window's floor V - max_lag on (a few prefix
    listings), and gives a version directory that falls out of the window one last look,
-   dropping what is left there as stale. Groups are picked oldest first (tasks/lag.py `select_batch`), read and
-   validated; a bad shard goes to quarantine and another group takes its place. It waits
-   (polling, counted as idle time) until `prompts_per_step` trainable groups are there, and
-   while a batch would take younger groups before the last-chance groups still in flight
-   (tasks/lag.py `waits_for_last_chance`).
+   dropping what is left there as stale. Groups are picked oldest first (tasks/lag.py
+   `select_batch`), read and validated; a bad shard goes to quarantine and another group
+   takes its place. It waits (polling, counted as idle time) until `prompts_per_step`
+   trainable groups are there, and while a batch would take younger groups before the
+   last-chance groups still in flight (tasks/lag.py `waits_for_last_chance`).
 2. Group-normalised advantages, one RL optimizer step (tasks/trainer.py): V becomes V+1.
 3. Every `publish_every` steps a snapshot; then the trainer state (version, groups lost) that
    generators size their admission by; every `checkpoint_every` steps the metrics are flushed
