@@ -130,10 +130,12 @@ def commit_directory(
     rather than copy them (`RunStore.upload`). Returns False, uploading nothing, if `prefix` is
     already committed (a retried commit)."""
     manifest_key = f"{prefix}/{MANIFEST_NAME}"
-    if store.exists(manifest_key):
+    present = store.sizes(prefix)  # one listing: committed already, or a killed attempt's leftovers
+    if manifest_key in present:
         return False
     manifest = build_manifest(local_dir, extra)
-    store.delete_prefix(prefix)  # leftovers of a killed attempt: never committed, never read
+    for key in present:  # never committed, never read
+        store.delete(key)
     for name in manifest["files"]:
         store.upload(Path(local_dir) / name, f"{prefix}/{name}", take=take_files)
     data = json.dumps(manifest, indent=1, sort_keys=True).encode()
@@ -151,7 +153,8 @@ def fetch_directory(store: RunStore, prefix: str, local_dir: Path) -> dict[str, 
     A `local_dir` that already holds the same manifest and verifies is reused as it is. Its
     files are for reading: on file:// they may be hard links to the store's (`RunStore.download`)."""
     local_dir = Path(local_dir)
-    data = _read_manifest_bytes(store, prefix)
+    stored_sizes = store.sizes(prefix)  # one listing for the manifest's size and every file's
+    data = _read_manifest_bytes(store, prefix, stored_sizes)
     manifest = parse_manifest(data)
     if _is_verified_copy(local_dir, data):
         return manifest
@@ -166,10 +169,11 @@ def fetch_directory(store: RunStore, prefix: str, local_dir: Path) -> dict[str, 
     try:
         for name, entry in manifest["files"].items():
             key = f"{prefix}/{name}"
+            if key not in stored_sizes:
+                raise ManifestError(f"{name}: listed in the manifest but missing")
+            if stored_sizes[key] != entry["size"]:
+                raise ManifestError(f"{name}: size {stored_sizes[key]}, manifest says {entry['size']}")
             try:
-                remote_size = store.size(key)
-                if remote_size != entry["size"]:
-                    raise ManifestError(f"{name}: size {remote_size}, manifest says {entry['size']}")
                 store.download(key, staging / name, share=True)
             except FileNotFoundError as err:
                 raise ManifestError(f"{name}: listed in the manifest but missing") from err
@@ -181,10 +185,14 @@ def fetch_directory(store: RunStore, prefix: str, local_dir: Path) -> dict[str, 
     return manifest
 
 
-def _read_manifest_bytes(store: RunStore, prefix: str) -> bytes:
+def _read_manifest_bytes(store: RunStore, prefix: str, stored_sizes: dict[str, int] | None = None) -> bytes:
+    """The manifest's bytes, its size checked before it is read (`stored_sizes`: the prefix's
+    listing, when the caller has it, saves a request)."""
     key = f"{prefix}/{MANIFEST_NAME}"
     try:
-        size = store.size(key)
+        size = store.size(key) if stored_sizes is None else stored_sizes.get(key)
+        if size is None:
+            raise FileNotFoundError(key)
         if size > MAX_MANIFEST_BYTES:
             raise ManifestError(f"{MANIFEST_NAME}: {size} bytes, more than {MAX_MANIFEST_BYTES}")
         return store.read_bytes(key)

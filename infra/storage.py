@@ -167,11 +167,28 @@ class RunStore:
     # -- reads ------------------------------------------------------------------------------
 
     def read_bytes(self, key: str) -> bytes:
-        """The whole object; FileNotFoundError if there is none."""
+        """The whole object, in one request; FileNotFoundError if there is none.
+
+        On S3 it asks for no concurrency: s3fs otherwise sends a HEAD before every whole-object
+        read, to decide whether to split one over 50 MB into ranged reads. A run directory's
+        reads (LATEST, leases, manifests, shards) are far smaller, so that HEAD doubled the
+        round trips of every read, a generator's poll of LATEST included."""
+        if self.protocol == "s3":
+            return self._retry(self.fs.cat_file, self.path(key), max_concurrency=1)
         return self._retry(self.fs.cat_file, self.path(key))
 
     def exists(self, key: str) -> bool:
-        return self._retry(self.fs.exists, self.path(key))
+        """Whether the object `key` exists (an object, not a prefix). One HEAD on S3, where
+        s3fs's own `exists` also lists the key as a directory after a miss: two round trips for
+        the answer callers most often get (no manifest yet, no retirement marker)."""
+        if self.protocol != "s3":
+            return self._retry(self.fs.exists, self.path(key))
+        bucket, _, object_key = self.path(key).partition("/")
+        try:
+            self._retry(self.fs.call_s3, "head_object", Bucket=bucket, Key=object_key)
+        except FileNotFoundError:
+            return False
+        return True
 
     def size(self, key: str) -> int:
         return self._retry(self.fs.size, self.path(key))
@@ -190,12 +207,26 @@ class RunStore:
 
     def list_recursive(self, prefix: str) -> list[str]:
         """Every object key below `prefix`, sorted."""
+        return sorted(self.sizes(prefix))
+
+    def sizes(self, prefix: str) -> dict[str, int]:
+        """Every object key below `prefix`, with its size in bytes: one listing request on S3.
+
+        s3fs's `find` of a prefix with nothing below it also HEADs and lists the prefix as an
+        object, two more round trips, and a commit lists its own prefix, still empty, before
+        every upload. Asked for the parent's keys that start with the last component plus "/",
+        the same objects come in one request."""
+        path = self.path(prefix)
+        parent, _, name = path.rpartition("/")
         try:
-            entries = self._retry(self.fs.find, self.path(prefix))
+            if self.protocol == "s3" and parent and name:
+                found = self._retry(self.fs.find, parent, prefix=f"{name}/", detail=True)
+            else:
+                found = self._retry(self.fs.find, path, detail=True)
         except FileNotFoundError:
-            return []
-        keys = [self._key_of(entry) for entry in entries]
-        return sorted(k for k in keys if k and "/." not in f"/{k}")
+            return {}
+        keys = {self._key_of(entry): info["size"] for entry, info in found.items()}
+        return {k: size for k, size in keys.items() if k and "/." not in f"/{k}"}
 
     def download(self, key: str, local: Path, *, share: bool = False) -> None:
         """Copy one object to a local file.
@@ -279,9 +310,14 @@ class RunStore:
             pass
 
     def delete_prefix(self, prefix: str) -> None:
-        """Remove every object below `prefix`."""
-        for key in self.list_recursive(prefix):
-            self.delete(key)
+        """Remove every object below `prefix`: on S3 in one bulk request per 1,000 keys (the
+        trainer retires a snapshot of several files every step)."""
+        keys = self.list_recursive(prefix)
+        if self.protocol != "s3":
+            for key in keys:
+                self.delete(key)
+        elif keys:
+            self._retry(self.fs.rm, [self.path(key) for key in keys])
         if self.protocol == "file" and Path(self.path(prefix)).is_dir():
             _remove_empty_dirs(Path(self.path(prefix)))
 

@@ -87,8 +87,6 @@ def publish_snapshot_dir(store: RunStore, local_dir: Path, version: int, take_fi
     `take_files` only for a staging directory the caller deletes (see `commit_directory`)."""
     prefix = snapshot_prefix(version)
     commit_directory(store, local_dir, prefix, extra={"version": version}, take_files=take_files)
-    if not store.exists(f"{prefix}/{MANIFEST_NAME}"):
-        raise RuntimeError(f"snapshot {version} has no manifest after its commit")
     current = latest_version(store)
     if current is None or version > current:
         store.write_atomic(LATEST_KEY, json.dumps({"version": version}).encode())

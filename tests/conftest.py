@@ -7,10 +7,12 @@ the s3 case carries the `s3` marker, so `pytest -m "not s3"` runs without starti
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import tempfile
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -74,6 +76,23 @@ def s3_store(seaweed: SeaweedServer) -> RunStore:
 def store(request) -> RunStore:
     """A fresh run directory on file:// and, as a second case, on SeaweedFS."""
     return request.getfixturevalue(f"{request.param}_store")
+
+
+@contextlib.contextmanager
+def s3_requests(store: RunStore) -> Iterator[list[str]]:
+    """The S3 operations `store` sends inside the block, in order ("GetObject", ...), as its
+    botocore client reports them just before sending each request."""
+    sent: list[str] = []
+
+    def record(event_name: str, **_) -> None:
+        sent.append(event_name.rsplit(".", 1)[-1])
+
+    events = store.fs.s3.meta.events
+    events.register("before-send.s3", record)
+    try:
+        yield sent
+    finally:
+        events.unregister("before-send.s3", record)
 
 
 def committed_model_dir(out_dir: Path, seed: int) -> Path:

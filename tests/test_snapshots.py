@@ -30,6 +30,7 @@ from infra.manifest import (
 from infra.modelfactory import build_model, build_tokenizer, load_model, load_tokenizer
 from infra.storage import RunStore, open_run_store
 from tasks.generator import snapshot_dir_for_engines
+from tests.conftest import s3_requests
 from tasks.snapshots import (
     SnapshotMissing,
     apply_retention,
@@ -311,6 +312,33 @@ def test_manifest_with_unsafe_name_is_refused(store: RunStore, tmp_path, name) -
     with pytest.raises(ManifestError, match="not a plain relative file name"):
         fetch_directory(store, "weights/v00000009", tmp_path / "reader" / "cache" / "v9")
     assert not (tmp_path / "reader").exists() and not (tmp_path / "x").exists()
+
+
+@pytest.mark.s3
+def test_a_weight_sync_on_s3_sends_the_commit_protocol_and_nothing_more(s3_store, tmp_path, model, tokenizer) -> None:
+    """Publish: one listing (committed already? a killed attempt's leftovers?), the files, the
+    manifest, LATEST read and written. Fetch: one listing (every size), the manifest, the files.
+    Each round trip is milliseconds on loopback and tens of them on a remote bucket."""
+    publish_snapshot(s3_store, model, tokenizer, version=0)
+    with s3_requests(s3_store) as publish:
+        publish_snapshot(s3_store, model, tokenizer, version=1)
+    files = len(s3_store.list_recursive(snapshot_prefix(1))) - 1
+    assert publish == ["ListObjectsV2"] + ["PutObject"] * (files + 1) + ["GetObject", "PutObject"]
+    with s3_requests(s3_store) as fetch:
+        load_snapshot(s3_store, tmp_path / "cache", version=1)
+    assert fetch == ["ListObjectsV2", "GetObject"] + ["GetObject"] * files
+
+
+def test_a_retried_commit_removes_what_the_killed_attempt_left(store: RunStore, tmp_path) -> None:
+    local = tmp_path / "d"
+    local.mkdir()
+    (local / "a.bin").write_bytes(b"new")
+    store.write_atomic("d/a.bin", b"half of a killed attempt's")
+    store.write_atomic("d/shard-2.bin", b"a file this attempt does not write")
+    assert commit_directory(store, local, "d") is True
+    assert store.list_recursive("d") == ["d/MANIFEST.json", "d/a.bin"]
+    assert fetch_directory(store, "d", tmp_path / "fetched")["files"].keys() == {"a.bin"}
+    assert commit_directory(store, local, "d") is False  # committed: nothing is written again
 
 
 def test_manifest_checks_shape_and_sizes_before_downloading(store: RunStore, tmp_path) -> None:

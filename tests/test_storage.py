@@ -25,7 +25,7 @@ from infra.seaweed import SeaweedServer, free_s3_port
 from infra.storage import (
     RunStore, StorageRejected, StorageUnavailable, open_run_store, rejection_reason,
 )  # fmt: skip
-from tests.conftest import s3_storage_config
+from tests.conftest import s3_requests, s3_storage_config
 
 
 def test_put_if_absent_creates_once(store: RunStore):
@@ -66,6 +66,29 @@ def test_delete_prefix_removes_everything_below(store: RunStore):
     store.delete("w/v2/a")
     store.delete("w/v2/a")  # deleting twice is not an error
     assert store.list_recursive("") == []
+
+
+def test_sizes_lists_every_object_below_a_prefix(store: RunStore):
+    store.write_atomic("w/v1/a", b"x")
+    store.write_atomic("w/v1/sub/b", b"yz")
+    store.write_atomic("w/v10/c", b"not below w/v1")
+    assert store.sizes("w/v1") == {"w/v1/a": 1, "w/v1/sub/b": 2}
+    assert store.sizes("w/v2") == {}
+
+
+@pytest.mark.s3
+def test_a_read_an_existence_check_a_listing_and_a_prefix_delete_are_one_request_each(s3_store: RunStore):
+    """What a generator's poll, a commit and retention send: one round trip each, whether or not
+    the object is there (s3fs's defaults send two or three)."""
+    for name in ["w/v1/a", "w/v1/b", "w/v1/c"]:
+        s3_store.write_atomic(name, b"x")
+    with s3_requests(s3_store) as sent:
+        assert s3_store.read_bytes("w/v1/a") == b"x"
+        assert s3_store.exists("w/v1/a") and not s3_store.exists("w/v1/absent")
+        assert s3_store.sizes("w/v2") == {}
+        s3_store.delete_prefix("w/v1")
+    assert sent == ["GetObject", "HeadObject", "HeadObject", "ListObjectsV2", "ListObjectsV2", "DeleteObjects"]
+    assert s3_store.list_recursive("w") == []
 
 
 def test_missing_key_raises_file_not_found_without_retrying(store: RunStore):
