@@ -25,9 +25,10 @@ run: install
 
 ## Install, then run the whole test suite (real SeaweedFS and engines on loopback): two pytest
 ## workers side by side, each taking whole files (a file's servers start once), since most of
-## the suite waits on servers rather than computing; then, alone, the tests that assert timings.
+## the suite waits on servers rather than computing, longest files first (tests/conftest.py);
+## then, alone, the tests that assert timings.
 test: install
-	$(BIN)/pytest -n 2 --dist loadfile -m "not timing" --durations=15; shared=$$?; \
+	$(BIN)/pytest -n 2 --dist loadfile --no-loadscope-reorder -m "not timing" --durations=15; shared=$$?; \
 	$(BIN)/pytest -m timing; alone=$$?; \
 	for code in $$shared $$alone; do [ $$code -ne 5 ] || echo "pytest collected no tests: failing" >&2; done; \
 	[ $$shared -eq 0 ] && [ $$alone -eq 0 ]
