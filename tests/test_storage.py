@@ -77,17 +77,21 @@ def test_sizes_lists_every_object_below_a_prefix(store: RunStore):
 
 
 @pytest.mark.s3
-def test_a_read_an_existence_check_a_listing_and_a_prefix_delete_are_one_request_each(s3_store: RunStore):
-    """What a generator's poll, a commit and retention send: one round trip each, whether or not
-    the object is there (s3fs's defaults send two or three)."""
+def test_a_read_an_existence_check_a_listing_and_a_prefix_delete_are_one_request_each(seaweed: SeaweedServer):
+    """What a generator's poll, a commit, the trainer's poll of the rollouts and retention send:
+    one round trip each, whether or not the object is there (s3fs's defaults send two or three),
+    and nothing for a bucket already seen (every rollout group opens the store)."""
+    config = s3_storage_config(seaweed)
+    s3_store = open_run_store(config, "run-test")
     for name in ["w/v1/a", "w/v1/b", "w/v1/c"]:
         s3_store.write_atomic(name, b"x")
     with s3_requests(s3_store) as sent:
         assert s3_store.read_bytes("w/v1/a") == b"x"
         assert s3_store.exists("w/v1/a") and not s3_store.exists("w/v1/absent")
-        assert s3_store.sizes("w/v2") == {}
+        assert s3_store.sizes("w/v2") == {} and s3_store.list("w/v2") == [] and s3_store.list("w") == ["w/v1"]
         s3_store.delete_prefix("w/v1")
-    assert sent == ["GetObject", "HeadObject", "HeadObject", "ListObjectsV2", "ListObjectsV2", "DeleteObjects"]
+        open_run_store(config, "another-run")  # the bucket is known to exist by now
+    assert sent == ["GetObject", "HeadObject", "HeadObject"] + ["ListObjectsV2"] * 4 + ["DeleteObjects"]
     assert s3_store.list_recursive("w") == []
 
 
