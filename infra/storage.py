@@ -84,9 +84,9 @@ TRANSIENT_ERROR_CODES = frozenset({
 """S3 error codes that a later attempt can get past, whatever HTTP status carried them."""
 TRANSIENT_4XX = (408, 429)
 _MEMORY_LOCK = threading.Lock()
-_BUCKETS_SEEN: set[tuple[str | None, str]] = set()
-"""(endpoint, bucket) pairs this process has found or created: `open_run_store` checks a bucket
-once, not on every open (a HEAD per rollout group, 8% of a tiny run's requests)."""
+_BUCKETS_SEEN: set[tuple[str | None, str | None, str]] = set()
+"""(endpoint, access key, bucket) this process has found or created: `open_run_store` checks a
+bucket once, not on every open (a HEAD per rollout group, 8% of a tiny run's requests)."""
 STAGING = ".staging"
 """The file:// run directory's staging area for files uploaded by hard link (`RunStore.upload`)."""
 
@@ -234,7 +234,9 @@ class RunStore:
                 found = self._retry(self.fs.find, path, detail=True)
         except FileNotFoundError:
             return {}
-        keys = {self._key_of(entry): info["size"] for entry, info in found.items()}
+        # An object named "k/" (a directory marker, or a hostile bucket's decoy) is not "k": keyed
+        # alike, its size would stand in for k's in the checks made before k is read.
+        keys = {self._key_of(entry): info["size"] for entry, info in found.items() if not entry.endswith("/")}
         return {k: size for k, size in keys.items() if k and "/." not in f"/{k}"}
 
     def download(self, key: str, local: Path, *, share: bool = False) -> None:
@@ -320,13 +322,18 @@ class RunStore:
 
     def delete_prefix(self, prefix: str) -> None:
         """Remove every object below `prefix`: on S3 in one bulk request per 1,000 keys (the
-        trainer retires a snapshot of several files every step)."""
+        trainer retires a snapshot of several files every step).
+
+        The bulk request is sent as is, not through s3fs's `rm`, which reads keys as glob
+        patterns (a key with "[" in it was left, or failed the call) and ignores the keys a
+        DeleteObjects answer lists as not deleted. Those are deleted one by one, so that their
+        errors are retried or raised like any other call's."""
         keys = self.list_recursive(prefix)
-        if self.protocol != "s3":
-            for key in keys:
-                self.delete(key)
-        elif keys:
-            self._retry(self.fs.rm, [self.path(key) for key in keys])
+        if self.protocol == "s3":
+            chunks = (keys[start : start + 1000] for start in range(0, len(keys), 1000))
+            keys = [key for chunk in chunks for key in self._delete_bulk(chunk)]
+        for key in keys:
+            self.delete(key)
         if self.protocol == "file" and Path(self.path(prefix)).is_dir():
             _remove_empty_dirs(Path(self.path(prefix)))
 
@@ -357,6 +364,14 @@ class RunStore:
             return True
         finally:
             temp.unlink(missing_ok=True)
+
+    def _delete_bulk(self, keys: list[str]) -> list[str]:
+        """Delete up to 1,000 keys in one DeleteObjects request; returns those it did not delete."""
+        bucket, _, base = self.base.partition("/")
+        objects = [{"Key": f"{base}/{key}" if base else key} for key in keys]
+        answer = self._retry(self.fs.call_s3, "delete_objects", Bucket=bucket, Delete={"Objects": objects, "Quiet": True})
+        failed = {error.get("Key") for error in answer.get("Errors", [])}
+        return [key for key, entry in zip(keys, objects) if entry["Key"] in failed]
 
     def _put_if_absent_s3(self, key: str, data: bytes) -> bool:
         bucket, _, object_key = self.path(key).partition("/")
@@ -415,7 +430,8 @@ def open_run_store(storage: StorageConfig, run_id: str) -> RunStore:
     if not bucket:
         raise ValueError(f"storage.root {storage.root!r} names no bucket")
     store = RunStore(fs, f"{rest.strip('/')}/{run_id}", f"s3://{rest.strip('/')}/{run_id}", storage.retry_seconds)
-    if (fs.endpoint_url, bucket) in _BUCKETS_SEEN:  # every rollout group opens the store: one check a process
+    seen = (fs.endpoint_url, fs.key, bucket)
+    if seen in _BUCKETS_SEEN:  # every rollout group opens the store: one check a process
         return store
     if not store._retry(fs.exists, bucket):
         log.info("creating bucket %s", bucket)
@@ -425,7 +441,7 @@ def open_run_store(storage: StorageConfig, run_id: str) -> RunStore:
             # Another process created it meanwhile, or a server just restarted answered "no such
             # bucket" before it had loaded its buckets (seen with SeaweedFS: benchmarks/faults.py).
             pass
-    _BUCKETS_SEEN.add((fs.endpoint_url, bucket))
+    _BUCKETS_SEEN.add(seen)
     return store
 
 

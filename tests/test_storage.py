@@ -59,7 +59,7 @@ def test_listing_is_sorted_and_relative(store: RunStore):
 
 
 def test_delete_prefix_removes_everything_below(store: RunStore):
-    for name in ["w/v1/a", "w/v1/b", "w/v2/a"]:
+    for name in ["w/v1/a", "w/v1/b", "w/v1/x[1]", "w/v1/q*", "w/v2/a"]:  # names, not glob patterns
         store.write_atomic(name, b"x")
     store.delete_prefix("w/v1")
     assert store.list_recursive("w") == ["w/v2/a"]
