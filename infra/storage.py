@@ -211,7 +211,7 @@ class RunStore:
                 entries = self._retry(self.fs.ls, path, detail=False)
         except FileNotFoundError:
             return []
-        keys = [self._key_of(entry) for entry in entries]
+        keys = {self._key_of(entry) for entry in entries}  # a marker "d/" and the prefix d/ are one name
         return sorted(k for k in keys if not k.rsplit("/", 1)[-1].startswith(".") and k != prefix)
 
     def list_recursive(self, prefix: str) -> list[str]:
