@@ -191,6 +191,7 @@ def test_a_paused_engine_out_of_rotation_does_not_hold_up_the_others_return(engi
     assert paused_healthy is False, "a paused engine is not put back in rotation"
 
 
+@pytest.mark.timing  # equal shares need equally fast engines: on a busy machine one ran 133 of 200
 def test_least_outstanding_balances_equal_requests(engines):
     before = [engines.get(i, "/server_info")["tokens_generated"] for i in range(2)]
 
