@@ -1,6 +1,6 @@
 """Where a run's S3 credentials come from: the config, a Prefect Secret block, or the environment.
 
-`s3_credentials` is what `infra/storage.s3_filesystem` asks. A deployed run's config carries no
+`s3_credentials` is what `infra/s3.s3_filesystem` asks. A deployed run's config carries no
 credentials (parameters are stored and shown by the Prefect server), so its workers take them from
 their environment or from the Secret block `storage.credentials_block` names, which a process reads
 at most once per `BLOCK_READ_SECONDS`.

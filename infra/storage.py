@@ -36,6 +36,7 @@ instead of killing it. Errors that no retry can fix fail at once: missing keys, 
 bad credentials (FileNotFoundError, PermissionError as fsspec raises them), and requests the
 server rejects as invalid (an invalid bucket name: OSError EINVAL, or any other 4xx answer except
 408 Request Timeout and 429 Too Many Requests) raise `StorageRejected` naming the store's URL.
+infra/s3.py holds that reading of S3's errors, and the s3fs filesystem the store talks through.
 Names that start with "." are temporaries of an unfinished write and are never listed.
 """
 
@@ -54,12 +55,10 @@ from pathlib import Path
 from typing import TypeVar
 
 import fsspec
-from botocore.exceptions import (
-    BotoCoreError, ClientError, NoCredentialsError, ParamValidationError, PartialCredentialsError,
-)  # fmt: skip
+from botocore.exceptions import BotoCoreError, ClientError
 
 from configs.schema import StorageConfig
-from infra.credentials import s3_credentials
+from infra.s3 import is_precondition_failure, rejection_reason, s3_filesystem
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -73,16 +72,6 @@ PERMANENT_ERRORS = (
     ValueError,
     TypeError,
 )
-PERMANENT_BOTO_ERRORS = (NoCredentialsError, PartialCredentialsError, ParamValidationError)
-"""botocore errors raised before any request is sent: the configuration is wrong, no retry helps."""
-TRANSIENT_ERROR_CODES = frozenset({
-    "SlowDown", "Throttling", "ThrottlingException", "TooManyRequests", "TooManyRequestsException",
-    "RequestLimitExceeded", "RequestThrottled", "RequestTimeout", "RequestTimeoutException",
-    "ServiceUnavailable", "InternalError", "OperationAborted", "PriorRequestNotComplete",
-    "ConditionalRequestConflict",
-})  # fmt: skip
-"""S3 error codes that a later attempt can get past, whatever HTTP status carried them."""
-TRANSIENT_4XX = (408, 429)
 _MEMORY_LOCK = threading.Lock()
 _BUCKETS_SEEN: set[tuple[str | None, str | None, str]] = set()
 """(endpoint, access key, bucket) this process has found or created: `open_run_store` checks a
@@ -98,46 +87,6 @@ class StorageUnavailable(RuntimeError):
 class StorageRejected(OSError):
     """The storage refused a request in a way that no retry can change (e.g. an invalid bucket
     name); raised at once instead of being retried for `retry_seconds`."""
-
-
-def _client_error_of(err: BaseException) -> ClientError | None:
-    """The botocore ClientError behind `err` (s3fs raises OSErrors caused by one), if any."""
-    for _ in range(8):  # explicit causes only: a __context__ may be an unrelated earlier error
-        if err is None or isinstance(err, ClientError):
-            return err
-        err = err.__cause__
-    return None
-
-
-def rejection_reason(err: BaseException) -> str | None:
-    """Why `err` can never succeed on retry ("InvalidBucketName (HTTP 400)"), or None if a retry
-    may help: timeouts, connection errors, throttling, 408, 429 and 5xx are worth retrying; any
-    other 4xx answer, an OSError EINVAL and a missing or malformed configuration are not."""
-    if isinstance(err, PERMANENT_BOTO_ERRORS):
-        return type(err).__name__
-    client_error = _client_error_of(err)
-    if client_error is not None:
-        error = client_error.response.get("Error", {})
-        code = str(error.get("Code", ""))
-        status = client_error.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-        if not isinstance(status, int) and code.isdigit():
-            status = int(code)
-        if code in TRANSIENT_ERROR_CODES or not isinstance(status, int):
-            return None
-        if 400 <= status < 500 and status not in TRANSIENT_4XX:
-            return f"{code or 'error'} (HTTP {status})"
-        return None
-    if isinstance(err, OSError) and err.errno == errno.EINVAL:
-        return "invalid request (EINVAL)"
-    return None
-
-
-def is_precondition_failure(err: BaseException) -> bool:
-    """True when S3 refused a conditional PUT because the key already exists."""
-    cause = err.__cause__ if isinstance(err.__cause__, ClientError) else err
-    if isinstance(cause, ClientError):
-        return cause.response.get("Error", {}).get("Code") in ("PreconditionFailed", "412")
-    return "pre-conditions" in str(err)
 
 
 class RunStore:
@@ -443,33 +392,6 @@ def open_run_store(storage: StorageConfig, run_id: str) -> RunStore:
             pass
     _BUCKETS_SEEN.add(seen)
     return store
-
-
-def s3_filesystem(storage: StorageConfig) -> fsspec.AbstractFileSystem:
-    """An s3fs filesystem with listing caches off (readers must see new shards at once) and no
-    retries of its own, neither s3fs's nor botocore's, so that `RunStore._retry` owns the backoff
-    and `storage.retry_seconds` is the budget: with botocore's legacy `max_attempts: 2` (three
-    tries) and s3fs's five, giving up on a refused endpoint took 7.4 s under a budget of 2 s and
-    8.5 s under 0; now 1.5 s and 0.3 s.
-
-    fsspec's instance cache is kept on: a thread gets one filesystem, and so one botocore
-    client, per set of credentials. Every rollout group opens the run's store, and building a
-    fresh client each time (loading botocore's service model) took 84% of the rollout workers'
-    time on SeaweedFS: the tiny pipeline stepped at 3.5 s on s3://, 1.4-2.1 s with the cache,
-    0.6 s on file://. fsspec drops its cache in a forked child, whose copy of the client's
-    connections would be unusable."""
-    key, secret = s3_credentials(storage)
-    endpoint = storage.endpoint_url or os.environ.get("AWS_ENDPOINT_URL")
-    fs = fsspec.filesystem(
-        "s3",
-        key=key,
-        secret=secret,
-        endpoint_url=endpoint,
-        use_listings_cache=False,
-        config_kwargs={"connect_timeout": 5, "read_timeout": 60, "retries": {"total_max_attempts": 1}},
-    )
-    fs.retries = 1  # s3fs's own retries: a class attribute, which its constructor does not take
-    return fs
 
 
 def _remove_empty_dirs(top: Path) -> None:

@@ -21,10 +21,9 @@ from botocore.exceptions import ClientError, EndpointConnectionError, NoCredenti
 
 from configs.schema import StorageConfig
 from infra import credentials
+from infra.s3 import rejection_reason
 from infra.seaweed import SeaweedServer, free_s3_port
-from infra.storage import (
-    RunStore, StorageRejected, StorageUnavailable, open_run_store, rejection_reason,
-)  # fmt: skip
+from infra.storage import RunStore, StorageRejected, StorageUnavailable, open_run_store
 from tests.conftest import s3_requests, s3_storage_config
 
 
