@@ -267,6 +267,9 @@ def validate_table(
         raise ShardError(_schema_difference(table.schema))
     if table.num_rows == 0:
         raise ShardError("shard has no rows")
+    row = _first_false(pc.greater(pc.list_value_length(table["prompt_ids"]), 0))
+    if row >= 0:  # the trainer scores a completion's first token from the prompt's last position
+        raise ShardError(f"prompt_ids is empty in row {row}")
     lengths = pc.list_value_length(table["completion_ids"])
     for name in ("loss_mask", "behavior_logprobs"):
         row = _first_false(pc.equal(pc.list_value_length(table[name]), lengths))

@@ -418,6 +418,10 @@ def _out_of_vocabulary(rollouts: list[Rollout]) -> None:
     rollouts[1].prompt_ids[0] = 10**6
 
 
+def _empty_prompt(rollouts: list[Rollout]) -> None:
+    rollouts[2].prompt_ids = []
+
+
 def _no_rows(rollouts: list[Rollout]) -> None:
     rollouts.clear()
 
@@ -491,6 +495,7 @@ SHARD_CASES = [
     shard("token outside the vocabulary", BadShard(rows(_out_of_vocabulary), writer_refuses=False),
           "prompt_ids must be < vocab_size 50: row 1 has 1000000"),
     shard("no rows", BadShard(rows(_no_rows)), "shard has no rows"),
+    shard("empty prompt", BadShard(rows(_empty_prompt)), "prompt_ids is empty in row 2"),
     shard("key names another version", BadShard(rows(version=2), writer_refuses=False),
           "key says version 1, lowest policy_version is 2"),
     shard("key names another producer", BadShard(rows(), key=shard_key(1, "gen1", 0)),

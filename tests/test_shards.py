@@ -107,7 +107,7 @@ def rollouts(draw) -> list[Rollout]:
         mask = draw(st.lists(st.integers(0, 1), max_size=12))
         token, logprob = st.integers(0, 2**31 - 1), st.floats(-30, 0, width=32)
         return Rollout(
-            prompt_ids=draw(st.lists(token, max_size=8)),
+            prompt_ids=draw(st.lists(token, min_size=1, max_size=8)),
             completion_ids=draw(st.lists(token, min_size=len(mask), max_size=len(mask))),
             loss_mask=mask,
             behavior_logprobs=[draw(logprob) if m else 0.0 for m in mask],
