@@ -12,7 +12,9 @@ Between chunks the flow restarts dead engines on the current snapshot, loads new
 (pause, then load -> continue while the chunks the new version admits start: their requests
 wait in the paused engines, and their start overlaps the load instead of following it) and
 publishes how many groups it has in flight on each policy version, which the trainer reads so
-that it trains the oldest of them before they go stale.
+that it trains the oldest of them before they go stale. Each trainer state it reads, it checks
+against the groups committed since the last one, and reports those past the lag bound, which
+the trainer may have stopped looking for (tasks/lag.py "Late groups").
 It stops when the trainer's published state says done, or when the pipeline that started it no
 longer holds the run (tasks/lease.py `PipelineWatch`: a dead or failed deployed parent), and then
 aborts the engines' requests: the groups in flight would never be trained. Asked to retire (a
@@ -43,7 +45,9 @@ from infra.engines.fleet import EngineFleet
 from infra.scratch import scratch_dir
 from infra.storage import open_run_store
 from tasks.generator import GroupResult, GroupSpec, Generator, SnapshotRejected, generate_group, snapshot_dir_for_engines
-from tasks.lag import IN_FLIGHT_TTL_SECONDS, live_producers, publish_in_flight, read_trainer_state, retire_requested, withdraw_in_flight
+from tasks.lag import (
+    IN_FLIGHT_TTL_SECONDS, live_producers, publish_in_flight, read_trainer_state, report_late, retire_requested, withdraw_in_flight,
+)  # fmt: skip
 from tasks.lease import PipelineWatch
 from tasks.metrics import MetricsLog
 from tasks.snapshots import unpin_snapshot
@@ -148,6 +152,11 @@ def _generate(config: RunConfig, producer: str, cache: Path, pipeline: PipelineW
         producers = _ProducerCount(store, producer)
         load = _LoadReport(metrics)
         reported = _InFlightReport(store, producer)
+        # Committed groups whose first trainer state read since their commit is still to come
+        # (tasks/lag.py "Late groups"). At the start, an earlier life's newest, which it may have
+        # died before checking: it held at most an admission window in flight.
+        window = (config.lag.max_lag + 1) * config.training.prompts_per_step
+        unchecked = [key for _, key in sorted(generator.committed_at_start.items())[-window:]]
 
         def start_chunk() -> bool:
             """Submit one chunk of what admission allows now; False if it allows nothing."""
@@ -161,13 +170,18 @@ def _generate(config: RunConfig, producer: str, cache: Path, pipeline: PipelineW
             while start_chunk():
                 pass
 
-        while not read_trainer_state(store).done and not pipeline.gone() and not (retiring.due() and not generator.orphans):
+        while True:
+            state = read_trainer_state(store)
+            report_late(store, unchecked, state.version, config.lag.max_lag)
+            unchecked.clear()
+            if state.done or pipeline.gone() or (retiring.due() and not generator.orphans):
+                break
             if fleet.restart_dead():
                 totals["engine_restarts"] = fleet.restarts
                 metrics.log("engines_restarted", version=fleet.version, engines=fleet.describe(), restarts=fleet.restarts)
             for chunk in [c for c in in_flight if c.future.wrapped_future.done()]:
                 in_flight.remove(chunk)
-                _record(metrics, totals, chunk.future.result(), fleet.version)
+                unchecked += _record(metrics, totals, chunk.future.result(), fleet.version)
             try:
                 if timings := generator.refresh_weights(while_loading=start_chunks):
                     totals["weight_updates"] += 1
@@ -187,7 +201,8 @@ def _generate(config: RunConfig, producer: str, cache: Path, pipeline: PipelineW
         if in_flight and (read_trainer_state(store).done or pipeline.reason is not None):
             fleet.abort_all()
         for chunk in in_flight:
-            _record(metrics, totals, chunk.future.result(), fleet.version)
+            unchecked += _record(metrics, totals, chunk.future.result(), fleet.version)
+        report_late(store, unchecked, read_trainer_state(store).version, config.lag.max_lag)
         if pipeline.successor is None:  # else the record is the successor's generator of this name
             withdraw_in_flight(store, producer)
     totals.pop("keys", None)
@@ -291,8 +306,9 @@ def _recover_records(metrics: MetricsLog, generator: Generator, samples: int) ->
         metrics.log("orphans_reclaimed", slots=generator.orphans)
 
 
-def _record(metrics: MetricsLog, totals: dict, results: list[GroupResult], version: int) -> None:
-    """Log each committed group once, also one that a failed attempt of its chunk committed."""
+def _record(metrics: MetricsLog, totals: dict, results: list[GroupResult], version: int) -> list[str]:
+    """Log each committed group once, also one that a failed attempt of its chunk committed;
+    returns the keys of `results`."""
     for result in results:
         if result.key not in totals.setdefault("keys", set()):
             totals["keys"].add(result.key)
@@ -302,3 +318,4 @@ def _record(metrics: MetricsLog, totals: dict, results: list[GroupResult], versi
                         reward_mean=result.reward_mean, policy_version=result.policy_version,
                         loaded_version=version, started_at=result.started_at, finished_at=result.finished_at,
                         tokens=result.tokens, tokens_per_second=result.tokens / max(result.finished_at - result.started_at, 1e-9))  # fmt: skip
+    return [result.key for result in results]

@@ -22,6 +22,16 @@ in the step that produces V+1 has lag V - v. Two mechanisms keep every trained g
   (`publish_in_flight`). Without this, one engine interleaving old and new work had its slowest
   old groups dropped every step and regenerated, which made async as slow as sync.
 
+- **Late groups** (both ends). The trainer lists shards from the window's floor V - max_lag on,
+  and gives a version directory one last look as it leaves the window. A group that commits there
+  after that look would never be listed, so never counted as lost, and its slot would hold
+  capacity for good: enough of them (max_lag x groups_per_step + 1) and no batch can fill again.
+  So a generator checks every group it committed against the first trainer state it reads after
+  the commit: if that state is past the group's bound, the last look may have missed it, and the
+  generator reports it under `lag/late/` (`report_late`). The trainer drops the reported groups
+  as stale (`late_shard_keys`). A state read before the trainer moved past the bound means the
+  last look is still to come, after the commit, and will see the group.
+
 `max_lag = 0` is synchronous on-policy training: capacity is exactly one batch ahead, and a
 generator only starts a group on the newest weights.
 """
@@ -35,6 +45,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from infra.storage import RunStore
+from tasks.shards import SHARD_KEY_PATTERN, parse_shard_key
 from tasks.snapshots import snapshot_versions, withdraw_after
 
 SLOTS = "lag/slots"
@@ -144,6 +155,33 @@ def _live_in_flight_records(store: RunStore) -> dict[str, dict]:
         if time.time() - record["at"] <= IN_FLIGHT_TTL_SECONDS:
             records[key.rsplit("/", 1)[-1].removesuffix(".json")] = record
     return records
+
+
+LATE_PREFIX = "lag/late"
+
+
+def report_late(store: RunStore, committed: Sequence[str], trainer_version: int, max_lag: int) -> list[str]:
+    """Report the groups of `committed` (shard keys) that are past the lag bound at
+    `trainer_version`, read after they were committed (see the module docstring); returns them."""
+    late = [key for key in committed if lag_of(trainer_version, parse_shard_key(key).version) > max_lag]
+    for key in late:
+        store.put_if_absent(_late_marker(key), b"")
+    return late
+
+
+def late_shard_keys(store: RunStore) -> list[str]:
+    """The shard keys generators reported as committed past the lag bound, sorted."""
+    keys = (f"rollouts/{key.removeprefix(LATE_PREFIX + '/')}" for key in store.list_recursive(LATE_PREFIX))
+    return sorted(key for key in keys if SHARD_KEY_PATTERN.fullmatch(key))
+
+
+def forget_late(store: RunStore, shard_key: str) -> None:
+    """Delete the report of `shard_key`, once the trainer has recorded its fate in a checkpoint."""
+    store.delete(_late_marker(shard_key))
+
+
+def _late_marker(shard_key: str) -> str:
+    return f"{LATE_PREFIX}/{shard_key.removeprefix('rollouts/')}"
 
 
 def claim_share(max_lag: int, groups_per_step: int, producers: int) -> int:

@@ -4,7 +4,8 @@
 
 1. `admit_batch` lists shards from the lag window's floor V - max_lag on (a few prefix
    listings), and gives a version directory that falls out of the window one last look,
-   dropping what is left there as stale. Groups are picked oldest first (tasks/lag.py
+   dropping what is left there as stale, as it does with the groups generators report as
+   committed after that look (tasks/lag.py "Late groups"). Groups are picked oldest first (tasks/lag.py
    `select_batch`), read and validated; a bad shard goes to quarantine and another group
    takes its place. It waits (polling, counted as idle time) until `prompts_per_step`
    trainable groups are there, and while a batch would take younger groups before the
@@ -39,7 +40,10 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from configs.schema import RunConfig
 from infra.storage import RunStore
 from tasks.checkpoints import latest_checkpoint_step, load_checkpoint, save_checkpoint
-from tasks.lag import Candidate, TrainerState, groups_in_flight, lag_of, publish_trainer_state, select_batch, waits_for_last_chance
+from tasks.lag import (
+    Candidate, TrainerState, forget_late, groups_in_flight, lag_of, late_shard_keys, publish_trainer_state, select_batch,
+    waits_for_last_chance,
+)  # fmt: skip
 from tasks.loss import group_advantages
 from tasks.metrics import MetricsLog
 from tasks.shards import list_shards, parse_shard_key, quarantined_keys, read_valid_shards, table_to_rollouts
@@ -47,6 +51,10 @@ from tasks.snapshots import apply_retention, publish_snapshot, snapshot_versions
 from tasks.trainer import Trainer, build_batch
 
 LEDGER_KEY = "lag/ledger.json"
+LATE_CHECK_SECONDS = 5.0
+"""How often a waiting trainer looks for groups reported late: also at the start of every admit,
+so a late group is counted lost within a step, or within this while the trainer waits (a stall
+that late groups cause is one where it waits)."""
 
 
 @dataclass
@@ -113,7 +121,10 @@ class Learner:
         self.ledger = Ledger.from_json(state.extra["ledger"])
         for key in sorted(quarantined_keys(self.store) - set(self.ledger.disposed)):
             self._dispose(key, "quarantined", samples=1)  # moved after the checkpoint: never listed again
-        self.window_floor = max(0, step - self.config.lag.max_lag)
+        # One directory below the window: the admit that would have given it its last look comes
+        # after this checkpoint, and a group committed there after the dead trainer's own look
+        # was checked by its generator against a state before this step.
+        self.window_floor = max(0, step - self.config.lag.max_lag - 1)
         self.metrics.log("resumed", version=step, disposed=len(self.ledger.disposed))
         if step not in snapshot_versions(self.store):
             # Retired, or skipped by publish_every: LATEST, moved back to the newest snapshot up to
@@ -130,9 +141,13 @@ class Learner:
         started = time.monotonic()
         self.poll_seconds = 0.0
         shared_losses = self.ledger.lost_groups
+        late_checked = -LATE_CHECK_SECONDS
         while len(chosen) < groups:
             if should_stop():
                 return None
+            if time.monotonic() - late_checked >= LATE_CHECK_SECONDS:
+                self._drop_late()
+                late_checked = time.monotonic()
             if self.ledger.lost_groups != shared_losses:
                 # Generators may replace a lost group as soon as they know of it: at max_lag 0 the
                 # batch being filled needs its replacement, which they could not claim otherwise.
@@ -244,6 +259,14 @@ class Learner:
             if key not in self.ledger.disposed and key not in exclude
         ]
 
+    def _drop_late(self) -> None:
+        """Drop the groups that generators reported as committed past the lag bound, which the
+        window's listings may have missed (tasks/lag.py "Late groups"), unless already disposed."""
+        max_lag = self.config.lag.max_lag
+        late = [key for key in late_shard_keys(self.store)
+                if key not in self.ledger.disposed and lag_of(self.version, parse_shard_key(key).version) > max_lag]  # fmt: skip
+        self._drop_stale(late)
+
     def _drop_stale(self, keys: list[str]) -> None:
         """Dispose of shards past the lag bound: as stale, or as a duplicate if their group was
         trained from another copy (no replacement is owed for that one)."""
@@ -272,3 +295,6 @@ class Learner:
     def _checkpoint(self) -> None:
         save_checkpoint(self.store, self.version, self.trainer.model, self.trainer.optimizer,
                         ledger=sorted(self.ledger.disposed), extra={"ledger": self.ledger.to_json()})  # fmt: skip
+        for key in late_shard_keys(self.store):
+            if key in self.ledger.disposed:  # recorded in the checkpoint: a resumed trainer knows its fate
+                forget_late(self.store, key)

@@ -14,7 +14,7 @@ from configs import TINY_CONFIG, load_config
 from infra.modelfactory import build_model, build_tokenizer
 from infra.storage import open_run_store
 from tasks.checkpoints import latest_checkpoint_step
-from tasks.lag import admission_capacity, read_trainer_state, reopen_run
+from tasks.lag import admission_capacity, late_shard_keys, read_trainer_state, reopen_run, report_late
 from tasks.learner import Learner
 from tasks.metrics import MetricsLog
 from tasks.shards import quarantined_keys, shard_key, write_shard
@@ -153,6 +153,64 @@ def test_a_resumed_trainer_counts_the_shards_quarantined_after_its_checkpoint(tm
     assert resumed.resume() == 1
     assert resumed.ledger.disposed.get(bad) == "quarantined" and resumed.ledger.lost_groups == 1
 
+
+
+def test_a_group_committed_after_its_last_look_is_dropped_once_its_generator_reports_it(tmp_path: Path):
+    """The admit at v2 gave rollouts/v00000000 its last look; a v0 group committed after that is
+    in no directory the trainer lists again. Its generator, reading the trainer state at v3, reports
+    it: the trainer drops it as stale and returns its slot. Unreported, it held capacity for good
+    (max_lag x groups_per_step + 1 such groups and no batch could fill again)."""
+    learner = make_learner(tmp_path)  # two groups a step, max_lag 1
+    for first_slot in (0, 2, 4):
+        write_fresh(learner, first_slot)
+        learner.train_step(learner.admit_batch(poll_seconds=0.01))
+    late = write_group(learner, "s00000009", seq=9, version=0)
+    write_fresh(learner, 6)
+    learner.train_step(learner.admit_batch(poll_seconds=0.01))
+    assert late not in learner.ledger.disposed, "below the window: no listing shows it"
+    state = read_trainer_state(learner.store)
+    assert report_late(learner.store, [late, shard_key(3, "gen0", 7)], state.version, max_lag=1) == [late]
+    write_fresh(learner, 10)
+    learner.admit_batch(poll_seconds=0.01)
+    assert learner.ledger.disposed[late] == "stale" and learner.ledger.lost_groups == 1
+    assert read_trainer_state(learner.store).lost_groups == 1, "shared with the generators"
+    assert late_shard_keys(learner.store) == [late]
+    learner._checkpoint()
+    assert late_shard_keys(learner.store) == [], "forgotten once a checkpoint records its fate"
+
+
+def test_a_late_report_of_a_group_already_dropped_changes_nothing(tmp_path: Path):
+    """The last look saw the group and dropped it; its generator's state read came after that
+    look and reported it too."""
+    learner = make_learner(tmp_path)
+    for first_slot in (0, 2):
+        write_fresh(learner, first_slot)
+        learner.train_step(learner.admit_batch(poll_seconds=0.01))
+    stale = write_group(learner, "s00000009", seq=9, version=0)
+    write_fresh(learner, 4)
+    learner.train_step(learner.admit_batch(poll_seconds=0.01))  # the admit at v2 looks at v0 last
+    assert learner.ledger.disposed[stale] == "stale" and learner.ledger.lost_groups == 1
+    assert report_late(learner.store, [stale], learner.version, max_lag=1) == [stale]
+    write_fresh(learner, 6)
+    learner.admit_batch(poll_seconds=0.01)
+    assert learner.ledger.lost_groups == 1 and learner.ledger.counts["dropped_stale"] == 4
+
+
+def test_a_resumed_trainer_gives_the_directory_leaving_the_window_its_last_look(tmp_path: Path):
+    """The checkpoint at v2 comes before the admit that would look at rollouts/v00000000 last; a
+    v0 group committed between the dead trainer's look at v1 and its death is stale for the
+    resumed trainer, and its generator, whose state read said v1, reported nothing."""
+    learner = make_learner(tmp_path)
+    for first_slot in (0, 2):
+        write_fresh(learner, first_slot)
+        learner.train_step(learner.admit_batch(poll_seconds=0.01))
+    learner._checkpoint()  # the checkpoint at v2, then a late v0 group, then the trainer dies
+    late = write_group(learner, "s00000009", seq=9, version=0)
+    resumed = make_learner(tmp_path)
+    assert resumed.resume() == 2
+    write_fresh(resumed, 4)
+    resumed.admit_batch(poll_seconds=0.01)
+    assert resumed.ledger.disposed[late] == "stale" and resumed.ledger.lost_groups == 1
 
 
 def restart_run(tmp_path: Path) -> Learner:
