@@ -84,6 +84,16 @@ class SimLatencyConfig(Section):
     """Seconds update_weights_from_disk holds generation per GB of safetensors."""
 
 
+SGLANG_FLAGS_SET_BY_TANDEM = {
+    "--model-path": "the run's snapshot", "--host": "engine.host", "--port": "engine.base_port",
+    "--tp-size": "engine.tp_size", "--mem-fraction-static": "engine.mem_fraction_static",
+    "--random-seed": "the run's seed and the engine's index", "--base-gpu-id": "the engine's index",
+    "--weight-version": "the snapshot's version", "--dtype": "the checkpoint's dtype",
+    "--api-key": "engine.api_key", "--config": "engine.api_key",
+}  # fmt: skip
+"""What each `sglang.launch_server` flag the launcher passes comes from (infra/engines/sglang.py)."""
+
+
 class EngineConfig(Section):
     """The inference engines: tandem's CPU engine or real SGLang servers, same HTTP API."""
 
@@ -98,14 +108,28 @@ class EngineConfig(Section):
     """Bearer token every engine request must carry (SGLang's --api-key); null disables it."""
     max_batch_size: int = Field(32, ge=1, le=1024)
     """Most sequences the CPU engine decodes in one batch."""
-    request_timeout_s: float = Field(120.0, gt=0, le=3600)
-    """Client-side timeout of one /generate call."""
+    request_timeout_s: float = Field(1800.0, gt=0, le=86400)
+    """Client-side limit of one /generate call, from sending to the answer, the wait in the
+    engine's queue and any pause for a weight load included: past it the engine is taken out of
+    rotation and the request retried on another. Keep it above the longest generation expected."""
     tp_size: int = Field(1, ge=1, le=64)
     """Tensor-parallel size of each SGLang engine."""
     mem_fraction_static: float = Field(0.8, gt=0, lt=1)
     """Fraction of GPU memory SGLang reserves for weights and KV cache."""
+    sglang_args: list[str] = Field(default_factory=list, max_length=256)
+    """More `sglang.launch_server` flags, passed as they are after tandem's own, e.g.
+    ["--max-running-requests", "64", "--attention-backend", "triton"]; not the flags tandem sets."""
     sim: SimLatencyConfig = Field(default_factory=SimLatencyConfig)
     """Latency model of `backend: sim`."""
+
+    @field_validator("sglang_args")
+    @classmethod
+    def _no_flag_tandem_sets(cls, args: list[str]) -> list[str]:
+        for arg in args:
+            flag = arg.split("=", 1)[0]
+            if flag in SGLANG_FLAGS_SET_BY_TANDEM:
+                raise ValueError(f"{flag} is set by tandem from {SGLANG_FLAGS_SET_BY_TANDEM[flag]}; leave it out")
+        return args
 
 
 class GenerationConfig(Section):

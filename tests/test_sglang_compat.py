@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from configs.schema import EngineConfig, ModelConfig
+from configs.schema import SGLANG_FLAGS_SET_BY_TANDEM, EngineConfig, ModelConfig
 from infra.engines import api
 from infra.engines import sglang as launcher
 from infra.engines.process import EngineProcess, EngineStartError
@@ -99,6 +99,28 @@ def test_each_engine_of_a_fleet_gets_its_own_gpus_and_seed_and_reports_sampled_l
 def test_optional_flags_are_left_out_when_unset():
     flags = check_flags(launcher.sglang_server_args(engine_config(), "/m", 30000, None, 0))
     assert not {"--weight-version", "--dtype", "--api-key", "--config"} & set(flags)
+
+
+def test_a_float32_checkpoint_is_served_with_an_attention_backend_that_runs_float32():
+    """SGLang's default on Hopper, FlashAttention 3, runs fp16 and bf16 only."""
+    value = dict(zip(args := launcher.sglang_server_args(engine_config(), "/m", 1, None, 0, dtype="float32"), args[1:]))
+    assert value["--attention-backend"] == "triton"
+    check_flags(args)
+    assert "--attention-backend" not in launcher.sglang_server_args(engine_config(), "/m", 1, None, 0, dtype="bfloat16")
+
+
+def test_sglang_args_go_after_tandems_own_and_choose_the_attention_backend():
+    extra = ["--max-running-requests", "64", "--attention-backend", "flashinfer", "--enable-metrics"]
+    args = launcher.sglang_server_args(engine_config(sglang_args=extra), "/m", 1, None, 0, dtype="float32")
+    assert args[-len(extra):] == extra and args.count("--attention-backend") == 1
+    check_flags(args)
+
+
+@pytest.mark.parametrize("arg", ["--port", "--dtype=bfloat16", "--api-key"])
+def test_sglang_args_may_not_set_what_tandem_sets(arg: str):
+    with pytest.raises(ValueError, match=f"{arg.split('=')[0]} is set by tandem from"):
+        engine_config(sglang_args=[arg, "1"])
+    assert set(SGLANG_FLAGS_SET_BY_TANDEM) <= set(FLAGS), "each is a real flag"
 
 
 def test_secret_config_keys_are_sglang_flags_and_tandem_dtypes_are_valid():

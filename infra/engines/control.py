@@ -13,7 +13,11 @@ with their output so far. SGLang's update_weights_from_disk flushes the KV cache
 (its `flush_cache`, on by default), and that flush fails while requests sit in the running
 batch, as they do after an `in_place` pause: SGLang then asserts and its server exits. Retracted,
 they are prefilled again on the new weights once continued, so no key or value that the old
-weights computed (the prefix cache included) is used with the new ones. An engine given
+weights computed (the prefix cache included) is used with the new ones. The flush passes with
+requests waiting in the queue, retracted or never started, only because SGLang (0.5.23, the
+release tests/fixtures/sglang_api.json records) ignores the queue while paused
+(`Scheduler.flush_cache`: `is_fully_idle(ignore_waiting=self._engine_paused)`); releases that
+did not would assert on a busy engine, so `tandem[sglang]` asks for 0.5.23 or later. An engine given
 up on mid-sync is out of rotation; once it answers again the probe sends the /continue_generation
 it missed (unless a caller holds it paused for the next sync: `pause` until `update_weights` ends)
 before putting it back.

@@ -35,6 +35,12 @@ the trainer computes (tasks/trainer.py divides its logits by generation.temperat
 variable set, SGLang reports the T = 1 distribution's, and at any other temperature every token's
 importance ratio would be off."""
 INSTALL_HINT = "pip install 'tandem[sglang]'"
+FLOAT32_ATTENTION_BACKEND = "triton"
+"""The attention backend a float32 checkpoint (the tiny factory model's) is served with, unless
+engine.sglang_args names one. SGLang 0.5.23 picks FlashAttention 3 on Hopper GPUs by default
+(`get_default_attn_backend`), and FlashAttention runs fp16 and bf16 only; Triton's kernels, which
+SGLang falls back to where a model needs it, take float32."""
+ATTENTION_BACKEND_FLAGS = frozenset({"--attention-backend", "--prefill-attention-backend", "--decode-attention-backend"})
 
 
 def sglang_server_args(
@@ -55,10 +61,12 @@ def sglang_server_args(
         args += ["--weight-version", weight_version]
     if dtype is not None:
         args += ["--dtype", dtype]
+    if dtype == "float32" and not any(arg.split("=", 1)[0] in ATTENTION_BACKEND_FLAGS for arg in engine.sglang_args):
+        args += ["--attention-backend", FLOAT32_ATTENTION_BACKEND]
     if engine.api_key is not None:
         key = engine.api_key.get_secret_value()
         args += ["--config", str(config_file)] if config_file is not None else ["--api-key", key]
-    return args
+    return args + list(engine.sglang_args)
 
 
 def secret_config(engine: EngineConfig) -> dict[str, str]:
