@@ -71,15 +71,18 @@ def read_yaml_mapping(path: Path) -> dict[str, Any]:
 
 
 def apply_override(data: dict[str, Any], override: str) -> None:
-    """Set `a.b.c=value` in nested `data`; the value is parsed as a YAML scalar (`2`, `true`, `null`)."""
+    """Set `a.b.c=value` in nested `data`; the value is parsed as YAML (`2`, `true`, `null`,
+    `[1, 2]`), and one that is not YAML is taken as the text it is: a secret that starts with `*`
+    or `&` (YAML's alias and anchor marks), or the mask `config show` prints, which the field
+    then refuses with its own message instead of a YAML parser's."""
     path, sep, raw_value = override.partition("=")
     keys = path.strip().split(".")
     if not sep or not all(keys):
         raise ConfigError(f"--set {override!r}: expected section.field=value")
     try:
         value = yaml.safe_load(raw_value) if raw_value.strip() else ""
-    except yaml.YAMLError as err:
-        raise ConfigError(f"--set {override!r}: value is not a YAML scalar: {err}") from None
+    except yaml.YAMLError:
+        value = raw_value
     node = data
     for depth, key in enumerate(keys[:-1]):
         child = node.setdefault(key, {})

@@ -37,7 +37,7 @@ from configs.fields import RunId
 from configs.schema import RunConfig
 from flows.evaluation import evaluation
 from flows.generation import generation
-from flows.progress import print_summary, watch_run
+from flows.progress import print_summary, quiet_task_run_logs, watch_run
 from flows.supervisor import Supervisor, clear_scale_request
 from flows.training import training
 from flows.ui import publish_summary
@@ -120,6 +120,8 @@ def pipeline(config: RunConfig | None = None, run_id: RunId | None = None) -> di
     if run_id:
         config = RunConfig.model_validate(config.model_dump() | {"run_id": run_id})  # with the config's own checks
     share_prefect_api_with_workers()
+    if config.prefect.mode == "local":
+        quiet_task_run_logs()
     store = open_run_store(config.storage, config.run_id)
     check_run_inputs(config, store)  # a typo is refused before the lease: the run directory stays as it was
     with hold_run(store, f"{flow_run.get_name()} ({flow_run.get_id()})") as claim:  # RunInUse: another pipeline has it

@@ -65,6 +65,15 @@ def test_the_mask_of_a_dumped_secret_is_refused_naming_the_field(field: str):
         validate_config({section: {key: "**********"}})
 
 
+def test_an_override_that_is_not_yaml_is_taken_as_text():
+    """Unquoted on the command line, the mask is YAML's alias mark and a secret may start with it."""
+    with pytest.raises(ConfigError, match="engine.api_key: .*what a config dump shows in place of a secret"):
+        load_config(None, ["engine.api_key=**********"])
+    assert load_config(None, ["storage.key=AKIA", "storage.secret=*s3cr3t&"]).storage.secret.get_secret_value() == "*s3cr3t&"
+    with pytest.raises(ConfigError, match="env.kwargs: .*dictionary"):
+        load_config(None, ["env.kwargs={a: 1"])
+
+
 def test_parameters_carry_the_secrets_only_when_asked_and_validate_again():
     config = load_config(None, ["storage.key=AKIAEXAMPLE", "storage.secret=s3cr3t", "engine.api_key=k3y"])
     assert set(config.secrets()) == {"engine.api_key", "storage.key", "storage.secret"}

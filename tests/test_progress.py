@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import io
+import logging
+import os
 from pathlib import Path
 from types import SimpleNamespace
 
 from rich.console import Console
 
 from configs import TINY_CONFIG, load_config
-from flows.progress import print_summary, watch_run
+from flows.progress import TASK_RUN_LOG_LEVEL, print_summary, quiet_task_run_logs, watch_run
 from infra.storage import open_run_store
 from tasks.lag import TrainerState, publish_trainer_state
 from tasks.metrics import MetricsLog
@@ -28,7 +30,8 @@ class Finishing:
         return SimpleNamespace(is_final=lambda: self.seen > self.polls)
 
 
-def test_outside_a_terminal_progress_is_printed_as_lines_and_ends_on_the_final_figures(tmp_path: Path):
+def watched_run(tmp_path: Path, console: Console) -> int:
+    """watch_run over a 40-step run that trains ten steps a look; returns samples per step."""
     config = load_config(TINY_CONFIG, [f"storage.root=file://{tmp_path}", "run_id=watched", "training.steps=40"])
     per_step = config.training.prompts_per_step * config.generation.samples_per_prompt
     store = open_run_store(config.storage, config.run_id)
@@ -42,18 +45,30 @@ def test_outside_a_terminal_progress_is_printed_as_lines_and_ends_on_the_final_f
         trainer.log("train_step", reward_mean=0.5, lag_max=1, dropped_stale=0, trained=version * per_step)
         generator.log("group", samples=12 * per_step)
 
+    watch_run(config, [Finishing(polls=3, on_poll=advance)], poll_seconds=0.0, console=console)
+    return per_step
+
+
+def test_outside_a_terminal_progress_is_printed_as_whole_lines_and_ends_on_the_final_figures(tmp_path: Path):
     out = io.StringIO()
-    watch_run(config, [Finishing(polls=3, on_poll=advance)], poll_seconds=0.0, console=Console(file=out, width=160))
+    per_step = watched_run(tmp_path, Console(file=out, width=80))  # rich's width for a file
     lines = out.getvalue().splitlines()
-    printed = [line for line in lines if line.startswith("train step ")]
-    assert [line.split(":")[0] for line in printed] == ["train step 10/40", "train step 20/40", "train step 30/40", "train step 40/40"]
-    assert f"episodes trained {40 * per_step}, generated {48 * per_step}" in printed[-1], (
-        "the last line has the figures of after the children finished"
+    assert all(line.startswith("train step ") for line in lines), "lines only: no bars drawn once at the end"
+    assert [line.split(":")[0] for line in lines] == ["train step 10/40", "train step 20/40", "train step 30/40", "train step 40/40"]
+    assert lines[-1].endswith(f"episodes trained {40 * per_step}, generated {48 * per_step}, dropped 0"), (
+        "one line each, not wrapped at 80 columns, with the figures of after the children finished"
     )
-    assert any("40/40" in line and "train steps" in line for line in lines), "the bar closes on the final step"
-    bar = next(line for line in lines if line.startswith("episodes"))
+
+
+def test_in_a_terminal_the_bars_close_on_the_final_figures(tmp_path: Path):
+    out = io.StringIO()
+    per_step = watched_run(tmp_path, Console(file=out, width=160, force_terminal=True, color_system=None))
+    final = out.getvalue().rsplit("\r", 1)[-1]
+    assert "train steps" in final and "40/40" in final, "the bar closes on the final step"
+    bar = next(line for line in final.splitlines() if "episodes" in line)
     assert f"{40 * per_step}/{40 * per_step}" in bar, "the episodes bar counts episodes trained, never past its total"
     assert f"generated {48 * per_step}" in bar
+    assert "train step 10/40:" not in out.getvalue(), "no lines beside the bars"
 
 
 def test_the_summary_table_folds_long_paths_rather_than_cutting_them():
@@ -64,3 +79,19 @@ def test_the_summary_table_folds_long_paths_rather_than_cutting_them():
                "identity_holds": True, "max_trained_lag": 1}  # fmt: skip
     print_summary(summary, url, console=Console(file=out, width=80))
     assert "plots/timeline.png" in out.getvalue().replace("\n", "").replace("│", "").replace(" ", "")
+
+
+def test_a_local_run_keeps_task_run_info_lines_off_the_console_unless_told_otherwise(monkeypatch):
+    from prefect.logging.configuration import setup_logging
+
+    logger = logging.getLogger("prefect.task_runs")
+    try:
+        monkeypatch.delenv(TASK_RUN_LOG_LEVEL, raising=False)
+        quiet_task_run_logs()
+        assert logger.level == logging.WARNING and os.environ[TASK_RUN_LOG_LEVEL] == "WARNING", "Dask workers inherit it"
+        monkeypatch.setenv(TASK_RUN_LOG_LEVEL, "DEBUG")
+        quiet_task_run_logs()
+        assert logger.level == logging.DEBUG, "the user's own setting stands"
+    finally:
+        monkeypatch.undo()
+        setup_logging()
