@@ -70,19 +70,31 @@ def read_yaml_mapping(path: Path) -> dict[str, Any]:
     return data
 
 
+YAML_INDICATORS = "&*!#|>%@`"
+"""Characters that YAML reads as syntax at the start of a value, not as the start of a text."""
+
+
 def apply_override(data: dict[str, Any], override: str) -> None:
     """Set `a.b.c=value` in nested `data`; the value is parsed as YAML (`2`, `true`, `null`,
-    `[1, 2]`), and one that is not YAML is taken as the text it is: a secret that starts with `*`
-    or `&` (YAML's alias and anchor marks), or the mask `config show` prints, which the field
-    then refuses with its own message instead of a YAML parser's."""
+    `[1, 2]`), except that one starting with a character YAML gives a meaning of its own (`&`
+    anchor, `*` alias, `#` comment, `!` tag, ...) or that is not YAML at all is taken as the text
+    it is. YAML would read `&k3y` as an anchor on nothing, null, and an api key given so would
+    have turned authentication off; `**********`, the mask `config show` prints, is then refused
+    by the field's own message rather than a parser's."""
     path, sep, raw_value = override.partition("=")
     keys = path.strip().split(".")
     if not sep or not all(keys):
         raise ConfigError(f"--set {override!r}: expected section.field=value")
-    try:
-        value = yaml.safe_load(raw_value) if raw_value.strip() else ""
-    except yaml.YAMLError:
+    text = raw_value.strip()
+    if not text:
+        value: Any = ""
+    elif text[0] in YAML_INDICATORS:
         value = raw_value
+    else:
+        try:
+            value = yaml.safe_load(raw_value)
+        except yaml.YAMLError:
+            value = raw_value
     node = data
     for depth, key in enumerate(keys[:-1]):
         child = node.setdefault(key, {})

@@ -90,8 +90,10 @@ SGLANG_FLAGS_SET_BY_TANDEM = {
     "--random-seed": "the run's seed and the engine's index", "--base-gpu-id": "the engine's index",
     "--weight-version": "the snapshot's version", "--dtype": "the checkpoint's dtype",
     "--api-key": "engine.api_key", "--config": "engine.api_key",
+    "--model": "the run's snapshot", "--tensor-parallel-size": "engine.tp_size",
 }  # fmt: skip
-"""What each `sglang.launch_server` flag the launcher passes comes from (infra/engines/sglang.py)."""
+"""What each `sglang.launch_server` flag the launcher passes comes from (infra/engines/sglang.py),
+with SGLang's aliases of them (--model, --tensor-parallel-size)."""
 
 
 class EngineConfig(Section):
@@ -127,8 +129,10 @@ class EngineConfig(Section):
     def _no_flag_tandem_sets(cls, args: list[str]) -> list[str]:
         for arg in args:
             flag = arg.split("=", 1)[0]
-            if flag in SGLANG_FLAGS_SET_BY_TANDEM:
-                raise ValueError(f"{flag} is set by tandem from {SGLANG_FLAGS_SET_BY_TANDEM[flag]}; leave it out")
+            # argparse also takes an unambiguous prefix of a flag: --tp for --tp-size
+            owned = [name for name in SGLANG_FLAGS_SET_BY_TANDEM if flag.startswith("--") and name.startswith(flag)]
+            if owned:
+                raise ValueError(f"{owned[0]} is set by tandem from {SGLANG_FLAGS_SET_BY_TANDEM[owned[0]]}; leave {flag} out")
         return args
 
 

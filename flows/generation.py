@@ -46,7 +46,8 @@ from infra.scratch import scratch_dir
 from infra.storage import open_run_store
 from tasks.generator import GroupResult, GroupSpec, Generator, SnapshotRejected, generate_group, snapshot_dir_for_engines
 from tasks.lag import (
-    IN_FLIGHT_TTL_SECONDS, live_producers, publish_in_flight, read_trainer_state, report_late, retire_requested, withdraw_in_flight,
+    IN_FLIGHT_TTL_SECONDS, live_producers, publish_in_flight, read_trainer_state, recheck_after_restart, report_late, retire_requested,
+    withdraw_in_flight,
 )  # fmt: skip
 from tasks.lease import PipelineWatch
 from tasks.metrics import MetricsLog
@@ -153,10 +154,8 @@ def _generate(config: RunConfig, producer: str, cache: Path, pipeline: PipelineW
         load = _LoadReport(metrics)
         reported = _InFlightReport(store, producer)
         # Committed groups whose first trainer state read since their commit is still to come
-        # (tasks/lag.py "Late groups"). At the start, an earlier life's newest, which it may have
-        # died before checking: it held at most an admission window in flight.
-        window = (config.lag.max_lag + 1) * config.training.prompts_per_step
-        unchecked = [key for _, key in sorted(generator.committed_at_start.items())[-window:]]
+        # (tasks/lag.py "Late groups"); at the start, an earlier life's recent ones.
+        unchecked = recheck_after_restart(generator.committed_at_start.values(), read_trainer_state(store).version, config.lag.max_lag)
 
         def start_chunk() -> bool:
             """Submit one chunk of what admission allows now; False if it allows nothing."""

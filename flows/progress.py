@@ -36,8 +36,10 @@ def quiet_task_run_logs() -> None:
 
     A local run's console was mostly "Task run 'train_step-...' - Finished in state Completed()"
     (608 of the 687 lines of `tandem run configs/tiny.yaml`), with the progress lines buried among
-    them. Failures still show (ERROR), and the Prefect UI still shows every task run and its state.
-    Through the environment, so that the Dask workers the generation flow starts inherit it."""
+    them. A task run that fails for good still shows (ERROR); one that Prefect retries logs that
+    failure at INFO, so it shows only with the level set back. The Prefect UI still shows every
+    task run and its state. Through the environment, so that the Dask workers the generation flow
+    starts inherit it."""
     os.environ.setdefault(TASK_RUN_LOG_LEVEL, "WARNING")
     from prefect.logging.configuration import setup_logging
 

@@ -41,7 +41,7 @@ from __future__ import annotations
 import json
 import re
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from infra.storage import RunStore
@@ -167,6 +167,24 @@ def report_late(store: RunStore, committed: Sequence[str], trainer_version: int,
     for key in late:
         store.put_if_absent(_late_marker(key), b"")
     return late
+
+
+RECHECK_WINDOWS = 4
+"""How many lag windows (max_lag + 1 versions) back a restarted generator checks its earlier
+life's commits again (`recheck_after_restart`)."""
+
+
+def recheck_after_restart(committed: Iterable[str], trainer_version: int, max_lag: int) -> list[str]:
+    """The groups an earlier life of a generator committed that it may have died before checking
+    (between a commit and its next state read), to check again: those of the last RECHECK_WINDOWS
+    lag windows of versions. A group is admitted at most a window behind the trainer, and one that
+    came in late a window or so more; what the earlier life committed in its last moments is
+    within reach unless the trainer moved on by about two windows before the restart. The newest
+    slots would not do: a replayed orphan has a low slot and a current version, and a death
+    during a weight load leaves up to two shares of the window unchecked. Not all of them: a long
+    run's producer has committed thousands, each a report to write and read."""
+    floor = trainer_version - RECHECK_WINDOWS * (max_lag + 1)
+    return [key for key in committed if parse_shard_key(key).version >= floor]
 
 
 def late_shard_keys(store: RunStore) -> list[str]:

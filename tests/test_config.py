@@ -66,10 +66,13 @@ def test_the_mask_of_a_dumped_secret_is_refused_naming_the_field(field: str):
 
 
 def test_an_override_that_is_not_yaml_is_taken_as_text():
-    """Unquoted on the command line, the mask is YAML's alias mark and a secret may start with it."""
+    """Unquoted on the command line, the mask is YAML's alias mark, and a secret may start with
+    that or another of YAML's marks: `&k3y` parsed as YAML is null, which turned the key off."""
     with pytest.raises(ConfigError, match="engine.api_key: .*what a config dump shows in place of a secret"):
         load_config(None, ["engine.api_key=**********"])
-    assert load_config(None, ["storage.key=AKIA", "storage.secret=*s3cr3t&"]).storage.secret.get_secret_value() == "*s3cr3t&"
+    for secret in ("*s3cr3t&", "&ab:cd", "&abc def", "#k3y", "!k3y"):
+        config = load_config(None, ["storage.key=AKIA", f"storage.secret={secret}", f"engine.api_key={secret}"])
+        assert config.storage.secret.get_secret_value() == secret == config.engine.api_key.get_secret_value()
     with pytest.raises(ConfigError, match="env.kwargs: .*dictionary"):
         load_config(None, ["env.kwargs={a: 1"])
 

@@ -18,7 +18,7 @@ from configs.schema import StorageConfig
 from infra.storage import open_run_store
 from tasks.lag import (
     Candidate, SlotClaims, admission_capacity, claim_share, groups_in_flight, lag_of, live_producers, publish_in_flight,
-    select_batch, IN_FLIGHT_TTL_SECONDS, waits_for_last_chance, withdraw_in_flight,
+    recheck_after_restart, select_batch, IN_FLIGHT_TTL_SECONDS, waits_for_last_chance, withdraw_in_flight,
 )  # fmt: skip
 from tasks.shards import committed_slots, quarantine_shard, shard_key, write_shard
 from tests.test_shards import make_rollouts
@@ -216,3 +216,10 @@ def test_reopening_a_run_clears_the_stop_request_and_the_done_mark(file_store):
     assert reopen_run(file_store, 6) == [], "no snapshot after the checkpoint: none withdrawn"
     assert stop_reason(file_store) is None
     assert read_trainer_state(file_store) == TrainerState(version=6, lost_groups=2, done=False)
+
+
+def test_a_restarted_generator_checks_again_its_earlier_commits_of_the_last_lag_windows():
+    """By version, not by slot: a replayed orphan has a low slot and a current version."""
+    orphan, recent, old, older = (shard_key(v, "gen0", slot) for slot, v in [(1, 19), (40, 12), (39, 11), (38, 3)])
+    assert recheck_after_restart([orphan, recent, old, older], trainer_version=20, max_lag=1) == [orphan, recent]
+    assert recheck_after_restart([orphan, recent, old, older], trainer_version=8, max_lag=0) == [orphan, recent, old]

@@ -114,13 +114,26 @@ def test_sglang_args_go_after_tandems_own_and_choose_the_attention_backend():
     args = launcher.sglang_server_args(engine_config(sglang_args=extra), "/m", 1, None, 0, dtype="float32")
     assert args[-len(extra):] == extra and args.count("--attention-backend") == 1
     check_flags(args)
+    one_phase = ["--decode-attention-backend", "flashinfer"]
+    args = launcher.sglang_server_args(engine_config(sglang_args=one_phase), "/m", 1, None, 0, dtype="float32")
+    assert dict(zip(args, args[1:]))["--attention-backend"] == "triton", "the other phase's default stays float32-safe"
+    check_flags(args)
 
 
-@pytest.mark.parametrize("arg", ["--port", "--dtype=bfloat16", "--api-key"])
-def test_sglang_args_may_not_set_what_tandem_sets(arg: str):
-    with pytest.raises(ValueError, match=f"{arg.split('=')[0]} is set by tandem from"):
+@pytest.mark.parametrize("arg, owned", [
+    ("--port", "--port"), ("--dtype=bfloat16", "--dtype"), ("--api-key", "--api-key"),
+    ("--tensor-parallel-size", "--tensor-parallel-size"), ("--model", "--model-path"), ("--tp", "--tp-size"),
+    ("--mem-frac", "--mem-fraction-static"),
+])  # fmt: skip
+def test_sglang_args_may_not_set_what_tandem_sets_by_any_name(arg: str, owned: str):
+    with pytest.raises(ValueError, match=f"{owned} is set by tandem from"):
         engine_config(sglang_args=[arg, "1"])
-    assert set(SGLANG_FLAGS_SET_BY_TANDEM) <= set(FLAGS), "each is a real flag"
+
+
+def test_the_flags_tandem_sets_are_real_and_their_aliases_are_known():
+    assert set(SGLANG_FLAGS_SET_BY_TANDEM) <= set(FLAGS)
+    fields = {FLAGS[flag]["field"] for flag in SGLANG_FLAGS_SET_BY_TANDEM}
+    assert {flag for flag, spec in FLAGS.items() if spec["field"] in fields} <= set(SGLANG_FLAGS_SET_BY_TANDEM)
 
 
 def test_secret_config_keys_are_sglang_flags_and_tandem_dtypes_are_valid():

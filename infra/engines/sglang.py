@@ -37,10 +37,10 @@ importance ratio would be off."""
 INSTALL_HINT = "pip install 'tandem[sglang]'"
 FLOAT32_ATTENTION_BACKEND = "triton"
 """The attention backend a float32 checkpoint (the tiny factory model's) is served with, unless
-engine.sglang_args names one. SGLang 0.5.23 picks FlashAttention 3 on Hopper GPUs by default
+engine.sglang_args gives --attention-backend (--prefill- or --decode-attention-backend there set
+one phase's, over this). SGLang 0.5.23 picks FlashAttention 3 on Hopper GPUs by default
 (`get_default_attn_backend`), and FlashAttention runs fp16 and bf16 only; Triton's kernels, which
 SGLang falls back to where a model needs it, take float32."""
-ATTENTION_BACKEND_FLAGS = frozenset({"--attention-backend", "--prefill-attention-backend", "--decode-attention-backend"})
 
 
 def sglang_server_args(
@@ -61,8 +61,8 @@ def sglang_server_args(
         args += ["--weight-version", weight_version]
     if dtype is not None:
         args += ["--dtype", dtype]
-    if dtype == "float32" and not any(arg.split("=", 1)[0] in ATTENTION_BACKEND_FLAGS for arg in engine.sglang_args):
-        args += ["--attention-backend", FLOAT32_ATTENTION_BACKEND]
+    if dtype == "float32" and not any(arg.split("=", 1)[0] == "--attention-backend" for arg in engine.sglang_args):
+        args += ["--attention-backend", FLOAT32_ATTENTION_BACKEND]  # a phase's own backend flag still overrides it
     if engine.api_key is not None:
         key = engine.api_key.get_secret_value()
         args += ["--config", str(config_file)] if config_file is not None else ["--api-key", key]
