@@ -40,7 +40,7 @@ from infra.modelfactory import load_tokenizer
 from infra.storage import RunStore, open_run_store
 from tasks.envs import Prompt, load_environment
 from tasks.lag import SlotClaims, admission_capacity, claim_share, read_trainer_state
-from tasks.rollout import run_group
+from tasks.rollout import model_eos_ids, run_group
 from tasks.shards import committed_slots, parse_shard_key, shard_key, write_shard
 from tasks.snapshots import latest_version, load_snapshot, pin_snapshot, snapshot_prefix, snapshot_versions
 
@@ -202,6 +202,8 @@ class Generator:
         self._loading_version: int | None = None
         """The version the engines are paused to load, while `refresh_weights` runs its caller's
         `while_loading`; None otherwise."""
+        self.model_eos = model_eos_ids(fleet.model_dir)
+        """The model's own end tokens, which end a turn besides the tokenizer's (tasks/rollout.py)."""
         self.rejected_snapshots: set[int] = set()
         """Versions whose snapshot failed verification: never tried again."""
         self.orphans = self.claims.claimed_by_me(exclude=set(committed))
@@ -302,7 +304,8 @@ class Generator:
 
     def spec(self, slot: int) -> GroupSpec:
         gen, cfg = self.config.generation, self.config
-        sampling = {"temperature": gen.temperature, "top_p": gen.top_p, "top_k": gen.top_k, "max_new_tokens": gen.max_new_tokens}
+        sampling = {"temperature": gen.temperature, "top_p": gen.top_p, "top_k": gen.top_k, "max_new_tokens": gen.max_new_tokens,
+                    "stop_token_ids": self.model_eos}  # fmt: skip
         return GroupSpec(
             slot=slot, prompt=self.prompts[slot % len(self.prompts)], producer=self.producer,
             loaded_version=self.loaded_version, engine_urls=tuple(self.fleet.urls), run_id=cfg.run_id,

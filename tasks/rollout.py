@@ -20,8 +20,10 @@ under a running episode.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from pathlib import Path
 
 from transformers import PreTrainedTokenizerBase
 
@@ -33,13 +35,27 @@ from tasks.shards import Rollout
 EOT_TOKEN = "<eot>"
 
 
-def turn_stop_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
-    """Tokens that end a model turn: EOS (final answer) and the end-of-turn token (tool call).
+def turn_stop_ids(tokenizer: PreTrainedTokenizerBase, model_eos: Iterable[int] = ()) -> list[int]:
+    """Tokens that end a model turn: EOS (final answer), the end-of-turn token (tool call) and
+    the end tokens of the model's generation config (`model_eos_ids`).
 
     Passed as stop_token_ids so that every engine ends turns the same way, whatever its own
-    reading of the model's generation config."""
-    ids = {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids(EOT_TOKEN)}
+    reading of the model's generation config, and so that the client knows them all: a sample
+    handed off to another engine ends where its aborted part's last token is one of them
+    (SGLang keeps the token of the decode step an abort lands in, and the abort wins over the
+    end token: infra/engines/handoff.py). A model may end on tokens besides its tokenizer's
+    EOS: Qwen's instruct models on <|im_end|> and <|endoftext|>."""
+    ids = {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids(EOT_TOKEN), *model_eos}
     return sorted(i for i in ids if i is not None and i != tokenizer.unk_token_id)
+
+
+def model_eos_ids(model_dir: Path) -> list[int]:
+    """The end tokens an HF model directory's generation_config.json names ([] without one)."""
+    try:
+        eos = json.loads((Path(model_dir) / "generation_config.json").read_text()).get("eos_token_id")
+    except FileNotFoundError:
+        return []
+    return sorted({eos} if isinstance(eos, int) else set(eos or ()))
 
 
 def prompt_token_ids(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
@@ -67,7 +83,7 @@ async def run_episode(
     mask: list[int] = []
     logprobs: list[float] = []
     reward, turns, finish, version, generate_seconds = 0.0, 0, "length", loaded_version, 0.0
-    stop_ids = turn_stop_ids(tokenizer)
+    stop_ids = turn_stop_ids(tokenizer, sampling.stop_token_ids or ())
     while turns < max_turns:
         room = context_length - len(prompt_ids) - len(completion) - 1  # SGLang refuses input + new >= context
         if room <= 0:

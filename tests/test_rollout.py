@@ -8,7 +8,9 @@ context bound, and the weight version the lag bound is checked against.
 from __future__ import annotations
 
 import asyncio
+import json
 from itertools import groupby
+from pathlib import Path
 
 import pytest
 
@@ -18,7 +20,7 @@ from infra.engines.process import cpu_engine_process
 from infra.modelfactory import load_tokenizer
 from infra.ports import free_port_block
 from tasks.envs import Environment, Prompt, StepResult
-from tasks.rollout import prompt_token_ids, run_episode
+from tasks.rollout import model_eos_ids, prompt_token_ids, run_episode, turn_stop_ids
 from tests.conftest import committed_model_dir, reference_logprobs
 
 pytestmark = pytest.mark.slow
@@ -96,3 +98,32 @@ def test_an_episode_ends_at_the_context_without_a_request_the_engine_refuses(eng
     assert len(rollout.prompt_ids) + len(rollout.completion_ids) <= 64
     assert rollout.finish_reason == "length" and rollout.turns < 50, "it ended at the context, not by its turns"
     assert len(rollout.completion_ids) == len(rollout.loss_mask) == len(rollout.behavior_logprobs)
+
+
+def test_the_callers_stop_tokens_end_a_turn_beside_the_tokenizers(engine):
+    """The generator passes the model's generation-config end tokens: any of them ends a turn."""
+    model, url = engine
+    tokenizer = load_tokenizer(model)
+    every_token = list(range(len(tokenizer)))
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=8, ignore_eos=True, stop_token_ids=every_token)
+
+    async def play():
+        async with EngineClient([url]) as client:
+            return await run_episode(
+                client, ToolEnv(2), ToolEnv(2).prompts("train", 1, 0)[0], tokenizer, sampling,
+                max_turns=2, context_length=64, loaded_version=4, group_id="g0", producer="gen0",
+            )  # fmt: skip
+
+    rollout = asyncio.run(play())
+    assert [mask for mask, _ in groupby(rollout.loss_mask)] == [1, 0, 1]
+    assert rollout.loss_mask.count(1) == 2, "each turn ended on its first token"
+
+
+def test_the_models_end_tokens_come_from_its_generation_config(tmp_path: Path):
+    assert model_eos_ids(tmp_path) == []
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [151645, 151643]}))
+    assert model_eos_ids(tmp_path) == [151643, 151645]
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 2}))
+    assert model_eos_ids(tmp_path) == [2]
+    tokenizer = load_tokenizer(committed_model_dir(tmp_path / "m", seed=0))
+    assert set(turn_stop_ids(tokenizer)) | {151643} == set(turn_stop_ids(tokenizer, [151643]))
