@@ -67,7 +67,11 @@ def watch_run(config: RunConfig, futures: list, poll_seconds: float = 1.0, conso
             last = trainer[-1] if trainer else {}
             step_info = f"v{version} reward {last.get('reward_mean', 0):.2f} lag<={last.get('lag_max', 0):.0f}"
             progress.update(train, completed=version, info=step_info)
-            generated = sum(r.get("samples", 0) for name in _generator_files(store) for r in read_metrics(store, name) if r["event"] == "group")
+            generators_report = sum(r.get("samples", 0) for name in _generator_files(store) for r in read_metrics(store, name) if r["event"] == "group")
+            # Generators write their metrics every few seconds, the trainer every step: what it has
+            # trained or dropped was generated, even if not reported yet (the line read "trained
+            # 1280, generated 1152").
+            generated = max(generators_report, sum(last.get(fate, 0) for fate in ("trained", "dropped_stale", "duplicate")))
             episode_info = f"generated {generated}, dropped {last.get('dropped_stale', 0)}"
             progress.update(episodes, completed=last.get("trained", 0), info=episode_info)
             if not console.is_terminal and version // every > reported:

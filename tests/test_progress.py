@@ -30,8 +30,9 @@ class Finishing:
         return SimpleNamespace(is_final=lambda: self.seen > self.polls)
 
 
-def watched_run(tmp_path: Path, console: Console) -> int:
-    """watch_run over a 40-step run that trains ten steps a look; returns samples per step."""
+def watched_run(tmp_path: Path, console: Console, reported_per_look: int = 12) -> int:
+    """watch_run over a 40-step run that trains ten steps a look, its generators reporting
+    `reported_per_look` steps' worth of samples each look; returns samples per step."""
     config = load_config(TINY_CONFIG, [f"storage.root=file://{tmp_path}", "run_id=watched", "training.steps=40"])
     per_step = config.training.prompts_per_step * config.generation.samples_per_prompt
     store = open_run_store(config.storage, config.run_id)
@@ -43,7 +44,7 @@ def watched_run(tmp_path: Path, console: Console) -> int:
         version = min(10 * poll, 40)
         publish_trainer_state(store, TrainerState(version))
         trainer.log("train_step", reward_mean=0.5, lag_max=1, dropped_stale=0, trained=version * per_step)
-        generator.log("group", samples=12 * per_step)
+        generator.log("group", samples=reported_per_look * per_step)
 
     watch_run(config, [Finishing(polls=3, on_poll=advance)], poll_seconds=0.0, console=console)
     return per_step
@@ -58,6 +59,13 @@ def test_outside_a_terminal_progress_is_printed_as_whole_lines_and_ends_on_the_f
     assert lines[-1].endswith(f"episodes trained {40 * per_step}, generated {48 * per_step}, dropped 0"), (
         "one line each, not wrapped at 80 columns, with the figures of after the children finished"
     )
+
+
+def test_episodes_generated_are_never_shown_below_those_trained(tmp_path: Path):
+    """Generators' metrics reach storage every few seconds, the trainer's every step."""
+    out = io.StringIO()
+    per_step = watched_run(tmp_path, Console(file=out, width=80), reported_per_look=4)
+    assert out.getvalue().splitlines()[-1].endswith(f"episodes trained {40 * per_step}, generated {40 * per_step}, dropped 0")
 
 
 def test_in_a_terminal_the_bars_close_on_the_final_figures(tmp_path: Path):
