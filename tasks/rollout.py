@@ -20,12 +20,11 @@ under a running episode.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from transformers import PreTrainedTokenizerBase
+from transformers import GenerationConfig, PreTrainedTokenizerBase
 
 from infra.engines.api import SamplingParams, oldest_weight_version
 from infra.engines.client import EngineClient
@@ -52,8 +51,8 @@ def turn_stop_ids(tokenizer: PreTrainedTokenizerBase, model_eos: Iterable[int] =
 def model_eos_ids(model_dir: Path) -> list[int]:
     """The end tokens an HF model directory's generation_config.json names ([] without one)."""
     try:
-        eos = json.loads((Path(model_dir) / "generation_config.json").read_text()).get("eos_token_id")
-    except FileNotFoundError:
+        eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
+    except OSError:  # no generation_config.json
         return []
     return sorted({eos} if isinstance(eos, int) else set(eos or ()))
 
