@@ -15,7 +15,6 @@ from configs.schema import RunConfig
 from flows.ui import publish_evaluation
 from infra.engines.client import EngineClient
 from infra.engines.fleet import EngineFleet
-from infra.modelfactory import load_tokenizer
 from infra.scratch import scratch_dir
 from infra.storage import open_run_store
 from tasks.evaluation import evaluate
@@ -41,7 +40,7 @@ def evaluation(config: RunConfig, version: int | None = None) -> dict:
 
                 async def score() -> dict:
                     async with EngineClient(fleet.urls, api_key=fleet.api_key) as client:
-                        return await evaluate(client, load_tokenizer(model_dir), config, version)
+                        return await evaluate(client, model_dir, config, version)
 
                 result = asyncio.run(score())
     finally:

@@ -9,21 +9,27 @@ from __future__ import annotations
 
 import asyncio
 
-from transformers import PreTrainedTokenizerBase
+from pathlib import Path
 
 from configs.schema import RunConfig
 from infra.engines.api import SamplingParams
 from infra.engines.client import EngineClient
+from infra.modelfactory import load_tokenizer
 from tasks.envs import load_environment
-from tasks.rollout import run_episode
+from tasks.rollout import model_eos_ids, run_episode
 
 
-async def evaluate(client: EngineClient, tokenizer: PreTrainedTokenizerBase, config: RunConfig, version: int, concurrency: int = 64) -> dict:
-    """Score `version` (already loaded in the engines behind `client`) on the held-out prompts."""
+async def evaluate(client: EngineClient, model_dir: Path, config: RunConfig, version: int, concurrency: int = 64) -> dict:
+    """Score `version` (its snapshot in `model_dir`, already loaded in the engines behind
+    `client`) on the held-out prompts. Turns end on the same tokens as in training: the
+    tokenizer's and the model's generation-config end tokens (tasks/rollout.py)."""
+    tokenizer = load_tokenizer(model_dir)
     env_cls = load_environment(config.env.entrypoint)
     make_env = lambda: env_cls(max_turns=config.env.max_turns, **config.env.kwargs)  # noqa: E731
     prompts = make_env().prompts("eval", config.env.eval_prompts, config.seed)
-    greedy = SamplingParams(temperature=0.0, max_new_tokens=config.generation.max_new_tokens)
+    greedy = SamplingParams(
+        temperature=0.0, max_new_tokens=config.generation.max_new_tokens, stop_token_ids=model_eos_ids(model_dir)
+    )
     limit = asyncio.Semaphore(concurrency)
 
     async def one(prompt):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 from itertools import groupby
 from pathlib import Path
 
@@ -20,6 +21,8 @@ from infra.engines.process import cpu_engine_process
 from infra.modelfactory import load_tokenizer
 from infra.ports import free_port_block
 from tasks.envs import Environment, Prompt, StepResult
+from configs.schema import RunConfig
+from tasks.evaluation import evaluate
 from tasks.rollout import model_eos_ids, prompt_token_ids, run_episode, turn_stop_ids
 from tests.conftest import committed_model_dir, reference_logprobs
 
@@ -127,3 +130,39 @@ def test_the_models_end_tokens_come_from_its_generation_config(tmp_path: Path):
     assert model_eos_ids(tmp_path) == [2]
     tokenizer = load_tokenizer(committed_model_dir(tmp_path / "m", seed=0))
     assert set(turn_stop_ids(tokenizer)) | {151643} == set(turn_stop_ids(tokenizer, [151643]))
+
+
+class OneTokenEnv(Environment):
+    """Single turn; reward 1 when the model's answer is at most one token long."""
+
+    def prompts(self, split, count, seed):
+        return [Prompt(f"{split}-{i}", f"{i} + 2 =", "") for i in range(count)]
+
+    def reset(self, prompt: Prompt) -> str:
+        return prompt.text
+
+    def step(self, action: str) -> StepResult:
+        return StepResult("", float(len(action.split()) <= 1), True, {})
+
+    def demonstration(self, prompt: Prompt):
+        return []
+
+
+def test_evaluation_ends_turns_on_the_models_end_tokens(engine, tmp_path: Path):
+    """Held-out episodes sample as training's do: a generation config naming every token as an
+    end token ends each answer on its first token; without it, greedy answers run longer."""
+    model, url = engine
+    config = RunConfig.model_validate({
+        "env": {"entrypoint": "tests.test_rollout:OneTokenEnv", "kwargs": {}, "eval_prompts": 8, "max_turns": 1},
+        "generation": {"max_new_tokens": 6},
+    })  # fmt: skip
+    every_token_ends = shutil.copytree(model, tmp_path / "model")
+    vocabulary = len(load_tokenizer(model))
+    (every_token_ends / "generation_config.json").write_text(json.dumps({"eos_token_id": list(range(vocabulary))}))
+
+    async def score(model_dir: Path) -> float:
+        async with EngineClient([url]) as client:
+            return (await evaluate(client, model_dir, config, version=4))["score"]
+
+    assert asyncio.run(score(every_token_ends)) == 1.0
+    assert asyncio.run(score(model)) < 1.0, "the control: the engine's own end tokens do not end answers this early"

@@ -1,0 +1,132 @@
+"""The deployed parent's decisions about its children (flows/supervisor.py): restarts, giving up
+on a generator, retiring ones that die, and child starts that Prefect's client may resend. The
+run directory is real (file://); the Prefect API is a stand-in that answers child states."""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from types import SimpleNamespace
+from uuid import UUID, uuid4
+
+import httpx
+import pytest
+from prefect.states import Completed, Failed, Running
+
+import flows.supervisor as supervisor
+from configs.schema import RunConfig
+from flows.supervisor import Supervisor
+from tasks.lag import SlotClaims, request_retire, retire_requested, stop_reason
+
+PER_STEP = 4
+
+
+class ChildStates:
+    """read_flow_run answers the state set for each run id."""
+
+    def __init__(self):
+        self.states: dict[UUID, object] = {}
+
+    def read_flow_run(self, run_id):
+        return SimpleNamespace(state=self.states[run_id])
+
+
+def parent_of(store, max_lag: int, restarts: int) -> Supervisor:
+    parent = Supervisor.__new__(Supervisor)
+    parent.config = RunConfig.model_validate({
+        "training": {"prompts_per_step": PER_STEP}, "lag": {"max_lag": max_lag},
+        "prefect": {"generation_restarts": restarts},
+    })  # fmt: skip
+    parent.store, parent.client, parent.log = store, ChildStates(), logging.getLogger("test")
+    parent.generators, parent.retiring, parent.restarts, parent.gave_up, parent.abandoned_slots = {}, {}, 0, False, 0
+    parent.started = []
+
+    def start(flow_name, **parameters):
+        parent.started.append(parameters.get("producer", flow_name))
+        return SimpleNamespace(id=uuid4(), name=flow_name, state=Running())
+
+    parent.start = start
+    return parent
+
+
+def child(parent: Supervisor, producer: str, state, retiring: bool = False) -> None:
+    run_id = uuid4()
+    parent.client.states[run_id] = state
+    (parent.retiring if retiring else parent.generators)[producer] = run_id
+
+
+def claim_slots(store, producer: str, count: int) -> None:
+    claims = SlotClaims(store, producer, PER_STEP)
+    assert all(claims.claim(capacity=1000) is not None for _ in range(count))
+
+
+@pytest.mark.parametrize("claimed, stops", [(PER_STEP, False), (PER_STEP + 1, True)])
+def test_giving_up_on_a_generator_stops_the_run_once_its_claims_exceed_what_the_window_spares(file_store, claimed, stops):
+    """Only a run of the same producer id generates the slots it claimed. Given up on while others
+    run, its claims held capacity for good, and past max_lag x prompts_per_step of them the
+    trainer waited for ever: the run now stops, saying why."""
+    parent = parent_of(file_store, max_lag=1, restarts=0)
+    claim_slots(file_store, "gen1", claimed)
+    child(parent, "gen0", Running())
+    child(parent, "gen1", Failed(message="boom"))
+    parent.restart_failed_generators()
+    assert parent.gave_up and list(parent.generators) == ["gen0"] and parent.started == []
+    reason = stop_reason(file_store)
+    assert (reason is not None) == stops
+    if stops:
+        assert "gen1" in reason and f"{claimed} groups" in reason and "prefect.generation_restarts" in reason
+
+
+def test_a_retiring_generator_that_dies_is_started_again_to_finish_its_claims(file_store):
+    parent = parent_of(file_store, max_lag=0, restarts=1)
+    request_retire(file_store, "gen1")
+    claim_slots(file_store, "gen1", 1)
+    child(parent, "gen0", Running())
+    child(parent, "gen1", Failed(message="boom"), retiring=True)
+    parent.scale_to(1)
+    assert parent.started == ["gen1"] and "gen1" in parent.retiring and parent.restarts == 1
+    assert retire_requested(file_store, "gen1"), "it comes back to finish, not to stay"
+    parent.client.states[parent.retiring["gen1"]] = Failed(message="again")
+    parent.scale_to(1)
+    assert "gen1" not in parent.retiring and "1 groups" in stop_reason(file_store), "max_lag 0 spares none"
+
+
+def test_a_restart_the_api_refused_is_not_charged_and_is_tried_again(file_store):
+    parent = parent_of(file_store, max_lag=1, restarts=1)
+    child(parent, "gen0", Failed(message="boom"))
+    refused = [httpx.ConnectError("refused")]
+
+    def start(flow_name, **parameters):
+        if refused:
+            raise refused.pop()
+        return SimpleNamespace(id=uuid4(), name=flow_name, state=Running())
+
+    parent.start = start
+    with pytest.raises(httpx.ConnectError):
+        parent.restart_failed_generators()
+    assert parent.restarts == 0
+    parent.restart_failed_generators()
+    assert parent.restarts == 1 and not parent.gave_up
+
+
+def test_child_starts_carry_a_key_that_a_resent_creation_repeats(monkeypatch):
+    """Prefect's client resends a creation whose answer it lost; the server makes one run per key."""
+    keys, failures = [], [httpx.ReadTimeout("lost answer")]
+
+    def run_deployment(name, parameters, as_subflow, timeout, idempotency_key):
+        keys.append(idempotency_key)
+        if failures:
+            raise failures.pop()
+        return SimpleNamespace(id=uuid4(), name=name, state=Running())
+
+    monkeypatch.setattr(supervisor, "run_deployment", run_deployment)
+    parent = Supervisor.__new__(Supervisor)
+    parent.config, parent.log, parent.parameters = RunConfig(), logging.getLogger("test"), {}
+    parent.claim, parent.started = "c1", Counter()
+    with pytest.raises(httpx.ReadTimeout):
+        parent.start("training")
+    parent.start("training")
+    parent.start("generation", producer="gen0")
+    parent.start("generation", producer="gen0")
+    parent.start("training")
+    assert keys == ["tandem:c1:training:0", "tandem:c1:training:0", "tandem:c1:gen0:0", "tandem:c1:gen0:1", "tandem:c1:training:1"]
