@@ -56,7 +56,8 @@ class ModelConfig(Section):
     """Longest episode (prompt plus completions) that rollouts and evaluation build; it applies to
     a `path` model too, so set it to that model's context."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Parameter dtype; float32 on CPU."""
+    """The dtype the factory-built model is stored and served in (a `path` model keeps its own);
+    the trainer updates float32 copies of the weights whatever it is."""
 
     @model_validator(mode="after")
     def _heads_divide_width(self) -> ModelConfig:

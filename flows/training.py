@@ -16,7 +16,7 @@ from prefect import flow, task
 from prefect.cache_policies import NONE
 
 from configs.schema import RunConfig
-from infra.modelfactory import load_model, load_tokenizer
+from infra.modelfactory import load_tokenizer, load_trainable_model
 from infra.scratch import scratch_dir
 from flows.ui import TrainingProgress, announce_snapshot, due_for_evaluation
 from infra.storage import RunStore, open_run_store
@@ -83,9 +83,10 @@ def training(config: RunConfig, pipeline_claim: str | None = None) -> dict:
 def _train(config: RunConfig, store: RunStore, cache: Path, pipeline: PipelineWatch) -> dict:
     store.clear_staging()  # what a killed trainer left half-written
     initial = load_snapshot(store, cache / "weights", version=0)
-    reference = load_model(initial) if config.training.kl_coef > 0 else None  # the KL term's anchor: v0, unchanged
-    learner = Learner(config, store, load_model(initial), load_tokenizer(initial), cache, MetricsLog(store, "trainer"),
-                      ref_model=reference)  # fmt: skip
+    model, stored_dtype = load_trainable_model(initial)
+    reference = load_trainable_model(initial)[0] if config.training.kl_coef > 0 else None  # the KL term's anchor: v0, unchanged
+    learner = Learner(config, store, model, load_tokenizer(initial), cache, MetricsLog(store, "trainer"),
+                      ref_model=reference, publish_dtype=stored_dtype)  # fmt: skip
     resumed = learner.resume()
     if resumed is not None:
         print(f"resumed from checkpoint at version {resumed}")

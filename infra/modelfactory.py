@@ -142,6 +142,24 @@ def load_model(path: Path | str, dtype: torch.dtype | str | None = None) -> PreT
     )
 
 
+def load_trainable_model(path: Path | str) -> tuple[PreTrainedModel, torch.dtype]:
+    """An HF directory loaded for training, and the dtype its checkpoint is stored in (what the
+    engines serve, and what `publish_snapshot` writes back).
+
+    The weights are float32 whatever the checkpoint's dtype: they are the master copy that AdamW
+    updates, and its state lives in their dtype. In bfloat16 (8 significant bits) an update
+    smaller than 1/256 of a weight rounds away, so a norm weight of about 1 never moves at a
+    learning rate of 1e-4; in float16 AdamW's eps (1e-8) rounds to 0 and its second moment
+    underflows, and the first step writes infinities. verl, OpenRLHF and slime keep float32
+    parameters and optimizer state for the same reason."""
+    import torch
+    from transformers import AutoConfig
+
+    stored = AutoConfig.from_pretrained(str(path)).dtype
+    stored = getattr(torch, stored) if isinstance(stored, str) else stored or torch.float32
+    return load_model(path, dtype=torch.float32), stored
+
+
 def load_tokenizer(path: Path | str) -> PreTrainedTokenizerBase:
     """Load the tokenizer saved in an HF model directory.
 

@@ -85,14 +85,18 @@ class Learner:
     """Trains on shards as generators commit them, within the lag bound."""
 
     def __init__(self, config: RunConfig, store: RunStore, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
-                 cache_dir: Path, metrics: MetricsLog, ref_model: PreTrainedModel | None = None):  # fmt: skip
-        """`ref_model`: the policy the KL term measures against, needed when training.kl_coef > 0."""
+                 cache_dir: Path, metrics: MetricsLog, ref_model: PreTrainedModel | None = None,
+                 publish_dtype: torch.dtype | None = None):  # fmt: skip
+        """`ref_model`: the policy the KL term measures against, needed when training.kl_coef > 0.
+        `publish_dtype`: the dtype snapshots are stored in (the initial checkpoint's; `model`
+        holds float32 masters of it, see `load_trainable_model`), None for the model's own."""
         self.config = config
         self.store = store
         self.tokenizer = tokenizer
         self.cache_dir = cache_dir
         self.metrics = metrics
         self.ref_model = ref_model
+        self.publish_dtype = publish_dtype
         self.trainer = Trainer(model, config.training, ref_model=ref_model, sampling_temperature=config.generation.temperature)
         self.ledger = Ledger()
         self.window_floor = 0
@@ -129,7 +133,7 @@ class Learner:
         if step not in snapshot_versions(self.store):
             # Retired, or skipped by publish_every: LATEST, moved back to the newest snapshot up to
             # this step (tasks/lag.py `reopen_run`), may name one too old to generate what it needs.
-            publish_snapshot(self.store, self.trainer.model, self.tokenizer, step)
+            publish_snapshot(self.store, self.trainer.model, self.tokenizer, step, dtype=self.publish_dtype)
         return step
 
     def admit_batch(self, should_stop: Callable[[], bool] = lambda: False, poll_seconds: float = 0.2) -> dict[str, pa.Table] | None:
@@ -288,7 +292,7 @@ class Learner:
     def _publish(self) -> None:
         training = self.config.training
         if self.version % training.publish_every == 0:
-            publish_snapshot(self.store, self.trainer.model, self.tokenizer, self.version)
+            publish_snapshot(self.store, self.trainer.model, self.tokenizer, self.version, dtype=self.publish_dtype)
             apply_retention(self.store, self.config.storage.keep_last_snapshots, self.config.storage.keep_every_snapshot)
         publish_trainer_state(self.store, TrainerState(self.version, self.ledger.lost_groups))
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from configs.loader import ConfigError, apply_override, validate_config
 from configs.fields import MASKED_SECRET, is_run_id
 from configs.schema import RunConfig
-from infra.modelfactory import given_model_dir, load_model, load_tokenizer, prepare_initial_model
+from infra.modelfactory import given_model_dir, load_tokenizer, load_trainable_model, prepare_initial_model
 from infra.storage import RunStore, StorageRejected, open_run_store
 from tasks.envs import EnvironmentLoadError, load_environment
 from tasks.snapshots import latest_version, publish_snapshot, publish_snapshot_dir, snapshot_versions
@@ -142,9 +142,9 @@ def initialize_run(config: RunConfig) -> RunStore:
             else:
                 from tasks.warmup import warm_start  # torch's import (4 s): not for the checks above
 
-                model, tokenizer = load_model(model_dir), load_tokenizer(model_dir)
+                (model, stored_dtype), tokenizer = load_trainable_model(model_dir), load_tokenizer(model_dir)
                 warm_start(model, tokenizer, config)
-                publish_snapshot(store, model, tokenizer, 0, staging_dir=Path(staging))
+                publish_snapshot(store, model, tokenizer, 0, staging_dir=Path(staging), dtype=stored_dtype)
     return store
 
 

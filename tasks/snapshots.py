@@ -36,6 +36,7 @@ A consumer told which version to use (an evaluation) pins it too, then checks it
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 import tempfile
@@ -48,6 +49,7 @@ from infra.manifest import MANIFEST_NAME, commit_directory, fetch_directory, rea
 from infra.storage import RunStore
 
 if TYPE_CHECKING:  # transformers' model classes import torch, which the rollout side never needs
+    import torch
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 WEIGHTS = "weights"
@@ -70,16 +72,34 @@ def publish_snapshot(
     tokenizer: PreTrainedTokenizerBase,
     version: int,
     staging_dir: Path | None = None,
+    dtype: torch.dtype | None = None,
 ) -> int:
     """Save `model` and `tokenizer` as snapshot `version`, commit it, move LATEST; returns version.
 
+    `dtype`: the dtype to store the weights in (the model's own if None). The trainer's weights
+    are float32 masters of a checkpoint that may be stored in bfloat16
+    (`infra.modelfactory.load_trainable_model`); the engines get that checkpoint's dtype back.
     Idempotent: publishing a version that is already committed only (re)moves LATEST forward.
     On file:// it stages in the run's own `.staging/`, so that the files are linked into the
     snapshot rather than written a second time (`RunStore.upload`)."""
     with tempfile.TemporaryDirectory(prefix="snapshot-", dir=staging_dir or store.staging_dir()) as temp:
-        model.save_pretrained(temp)
+        if dtype is None or dtype == model.dtype:
+            model.save_pretrained(temp)
+        else:
+            _save_cast(model, Path(temp), dtype)
         tokenizer.save_pretrained(temp)
         return publish_snapshot_dir(store, Path(temp), version, take_files=True)
+
+
+def _save_cast(model: PreTrainedModel, out_dir: Path, dtype: torch.dtype) -> None:
+    """`model.save_pretrained` with its weights, and config.json's dtype, in `dtype`. Tied weights
+    (embeddings and head) stay one tensor, so they are saved once, as from the model itself."""
+    cast: dict[tuple, torch.Tensor] = {}
+    state = {name: cast.setdefault((t.data_ptr(), t.shape), t.to(dtype)) for name, t in model.state_dict().items()}
+    model.save_pretrained(out_dir, state_dict=state)
+    config = copy.deepcopy(model.config)
+    config.dtype = dtype
+    config.save_pretrained(out_dir)
 
 
 def publish_snapshot_dir(store: RunStore, local_dir: Path, version: int, take_files: bool = False) -> int:

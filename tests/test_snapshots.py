@@ -87,6 +87,19 @@ def test_snapshot_round_trip_gives_identical_logits(store, tmp_path, model, toke
     assert load_tokenizer(local).encode("Q 3 7 + 4 5") == tokenizer.encode("Q 3 7 + 4 5")
 
 
+def test_a_snapshot_is_written_back_in_the_checkpoints_dtype(file_store, tmp_path, model, tokenizer) -> None:
+    """The trainer's float32 weights are published in the dtype the initial checkpoint is stored
+    in: tensors and config.json's dtype, with the tied embeddings and head still one tensor."""
+    publish_snapshot(file_store, model, tokenizer, version=1, dtype=torch.bfloat16)
+    local = load_snapshot(file_store, tmp_path / "cache")
+    assert json.loads((local / "config.json").read_text())["dtype"] == "bfloat16"
+    served = load_model(local)
+    assert served.dtype == torch.bfloat16 and model.dtype == torch.float32, "the trainer's copy is not cast"
+    for name, weight in model.state_dict().items():
+        assert torch.equal(served.state_dict()[name], weight.to(torch.bfloat16)), name
+    assert served.lm_head.weight.data_ptr() == served.model.embed_tokens.weight.data_ptr()
+
+
 def test_publishing_on_file_links_the_staged_files_and_leaves_no_staging(file_store, tmp_path, model, tokenizer,
                                                                          monkeypatch) -> None:  # fmt: skip
     """The snapshot is saved once, in the run's own staging area, and linked into place: a copy
