@@ -12,8 +12,13 @@ the supervised warm-start that precedes RL. Plain torch, no Prefect, no DDP.
   tasks/loss.py with the
   TrainingConfig's clip_eps, is_cap, importance_correction, kl_coef and entropy_coef, backward,
   gradient-norm clipping, one AdamW step. The reported grad_norm is the norm BEFORE clipping (what
-  the loss asked for); a non-finite one raises and leaves the weights untouched, since a NaN step
-  would be published to every generator.
+  the loss asked for). A non-finite one skips the update (`skipped`: 1): the weights stay as they
+  were, the version still advances and the batch counts as trained, as verl does. Raising kept
+  the batch unconsumed, so Prefect's retry and every resume met the same batch and the same
+  overflow, and the run could not go on; applying it would publish NaN weights to every
+  generator. `MAX_SKIPPED_IN_A_ROW` in a row raise: the weights, not a batch, are then the
+  trouble. The RL passes run in eval mode: dropout would make the trainer's logprobs differ from
+  the engines' at lag 0 (verl and TRL turn it off for the policy too).
 - Temperature: the policy that acts is softmax(logits / T), so that is the one trained: its
   logprobs are the ratio's numerator and the gradient is that of the distribution the samples
   came from (as verl and slime do). The engines report behaviour logprobs of the same
@@ -46,6 +51,8 @@ from tasks.loss import policy_loss, token_entropy, token_logprobs
 from tasks.shards import Rollout, table_to_rollouts
 
 PAD_ID = TASK_VOCABULARY.index(PAD)
+MAX_SKIPPED_IN_A_ROW = 3
+"""Optimizer steps with a non-finite gradient skipped one after another before the trainer fails."""
 
 
 @dataclass
@@ -173,6 +180,7 @@ class Trainer:
                 model.parameters(), lr=cfg.warmup_lr, weight_decay=cfg.weight_decay
             )
         self._version = version
+        self.skipped_in_a_row = 0
 
     @property
     def version(self) -> int:
@@ -203,7 +211,7 @@ class Trainer:
         if (lags < 0).any():
             raise ValueError(f"batch has samples newer than the trainer's version {self._version}")
         self.warmup_optimizer = None
-        self.model.train()
+        self.model.eval()  # no dropout: the ratio compares with the engines' deterministic pass
         total = float(batch.loss_mask.sum())
         metrics: dict[str, float] = {}
         try:  # gradients accumulate over the micro-batches; a failure leaves none behind
@@ -248,6 +256,13 @@ class Trainer:
 
     def _step(self, optimizer: torch.optim.Optimizer) -> dict[str, float]:
         """Clip the accumulated gradients and step; grad_norm is the norm before clipping."""
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip, error_if_nonfinite=True)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        step = {"grad_norm": grad_norm.item(), "lr": optimizer.param_groups[0]["lr"]}
+        if not torch.isfinite(grad_norm):
+            self.skipped_in_a_row += 1
+            if self.skipped_in_a_row >= MAX_SKIPPED_IN_A_ROW:
+                raise FloatingPointError(f"a non-finite gradient norm ({grad_norm.item()}) in {self.skipped_in_a_row} steps in a row")
+            return step | {"skipped": 1.0}
+        self.skipped_in_a_row = 0
         optimizer.step()
-        return {"grad_norm": grad_norm.item(), "lr": optimizer.param_groups[0]["lr"]}
+        return step | {"skipped": 0.0}

@@ -4,12 +4,13 @@ versions and lag, gradient clipping, and the supervised warm-start."""
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
 
 from configs.schema import ModelConfig, TrainingConfig
-from infra.modelfactory import TASK_VOCABULARY, build_model
+from infra.modelfactory import TASK_VOCABULARY, build_model, load_model, load_trainable_model, save_tiny_model
 from tasks.loss import policy_loss, token_logprobs
 from tasks.shards import Rollout, rollouts_to_table
 from tasks.trainer import Trainer, build_batch, build_supervised_batch
@@ -126,6 +127,23 @@ def test_grad_norm_is_reported_before_clipping_and_the_step_sees_the_clipped_one
     assert 0 < change <= cfg.lr * 1.001
 
 
+def test_a_bfloat16_checkpoint_trains_on_float32_weights(tmp_path: Path) -> None:
+    """In bfloat16 an AdamW step under 1/256 of a weight rounds away: at lr 1e-4 the norm weights
+    (1.0) of a model trained in its stored dtype never move. The trainer's float32 copies do."""
+    path = save_tiny_model(TINY.model_copy(update={"dtype": "bfloat16"}), tmp_path / "m", seed=0)
+    masters, stored = load_trainable_model(path)
+    assert stored == torch.bfloat16 and masters.dtype == torch.float32
+    as_stored = load_model(path)
+    for model in (as_stored, masters):
+        Trainer(model, TrainingConfig(lr=1e-4)).rl_step(on_policy_batch(model, [1.0, -1.0]))
+
+    def norm_weights(model) -> torch.Tensor:
+        return torch.cat([p.detach().float().flatten() for name, p in model.named_parameters() if "norm" in name])
+
+    assert bool((norm_weights(as_stored) == 1.0).all()), "the control: in bfloat16 the step rounds away"
+    assert bool((norm_weights(masters) != 1.0).any())
+
+
 def test_lag_is_reported_and_samples_from_the_future_are_refused() -> None:
     model = tiny_model()
     trainer = Trainer(model, TrainingConfig(), version=2)
@@ -207,16 +225,32 @@ def test_warm_start_comes_before_rl_only() -> None:
         Trainer(model, TrainingConfig(), version=5).supervised_step(*build_supervised_batch(WARM))
 
 
-def test_a_non_finite_gradient_raises_and_leaves_the_weights_and_version_alone() -> None:
+def test_a_non_finite_gradient_skips_the_update_and_three_in_a_row_raise() -> None:
+    """The batch is consumed and the weights stay finite: raising kept the batch, which every retry
+    and resume then met again. Three in a row say the weights, not a batch, are the trouble."""
     model = tiny_model()
     trainer = Trainer(model, TrainingConfig())
-    batch = on_policy_batch(model, [float("nan"), 1.0])
+    overflow = on_policy_batch(model, [float("nan"), 1.0])
     start = [p.detach().clone() for p in model.parameters()]
-    with pytest.raises(RuntimeError, match="non-finite"):
-        trainer.rl_step(batch)
-    assert trainer.version == 0
+    metrics = trainer.rl_step(overflow)
+    assert metrics["skipped"] == 1.0 and metrics["version"] == trainer.version == 1
     assert all(torch.equal(p, s) for p, s in zip(model.parameters(), start))
     assert all(p.grad is None for p in model.parameters())
+    assert trainer.rl_step(on_policy_batch(model, [1.0, -1.0]))["skipped"] == 0.0, "a finite step resets the count"
+    trainer.rl_step(overflow)
+    trainer.rl_step(overflow)
+    with pytest.raises(FloatingPointError, match="3 steps in a row"):
+        trainer.rl_step(overflow)
+
+
+def test_the_rl_step_runs_without_dropout() -> None:
+    """With dropout on, the trainer's logprobs differ from the engines' even at lag 0."""
+    model = tiny_model()
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = 0.9
+    trainer = Trainer(model, TrainingConfig())
+    metrics = trainer.rl_step(on_policy_batch(model.eval(), [1.0, -1.0]))
+    assert metrics["ratio_max"] == pytest.approx(1.0, abs=1e-5)
 
 
 def test_the_trainer_scores_the_distribution_the_engines_sampled_from():
