@@ -233,9 +233,8 @@ class Learner:
         for key, shard in shards.items():
             self._dispose(key, "trained", samples=shard.num_rows)
             self.ledger.trained_groups.append(shard["group_id"][0].as_py())
-            lag = lag_of(trained_at, parse_shard_key(key).version)
-            self.ledger.lags.append(lag)
-            lags[lag] += shard.num_rows
+            self.ledger.lags.append(lag_of(trained_at, parse_shard_key(key).version))  # its oldest row's
+            lags.update(lag_of(trained_at, version) for version in shard["policy_version"].to_pylist())
         metrics = step_metrics | {
             "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std(unbiased=False)), "samples": len(rollouts),
             "lag_histogram": {str(k): lags[k] for k in sorted(lags)},

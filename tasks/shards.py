@@ -267,6 +267,9 @@ def validate_table(
         raise ShardError(_schema_difference(table.schema))
     if table.num_rows == 0:
         raise ShardError("shard has no rows")
+    groups = pc.unique(table["group_id"])
+    if len(groups) > 1:  # the trainer normalises advantages, and knows a group as trained, per shard
+        raise ShardError(f"a shard is one group, and this one holds {len(groups)}: {', '.join(map(str, groups.to_pylist()[:4]))}")
     row = _first_false(pc.greater(pc.list_value_length(table["prompt_ids"]), 0))
     if row >= 0:  # the trainer scores a completion's first token from the prompt's last position
         raise ShardError(f"prompt_ids is empty in row {row}")

@@ -422,6 +422,10 @@ def _empty_prompt(rollouts: list[Rollout]) -> None:
     rollouts[2].prompt_ids = []
 
 
+def _two_groups(rollouts: list[Rollout]) -> None:
+    rollouts[3].group_id = "g7"
+
+
 def _no_rows(rollouts: list[Rollout]) -> None:
     rollouts.clear()
 
@@ -496,6 +500,7 @@ SHARD_CASES = [
           "prompt_ids must be < vocab_size 50: row 1 has 1000000"),
     shard("no rows", BadShard(rows(_no_rows)), "shard has no rows"),
     shard("empty prompt", BadShard(rows(_empty_prompt)), "prompt_ids is empty in row 2"),
+    shard("two groups in one shard", BadShard(rows(_two_groups)), "a shard is one group, and this one holds 2: g0, g7"),
     shard("key names another version", BadShard(rows(version=2), writer_refuses=False),
           "key says version 1, lowest policy_version is 2"),
     shard("key names another producer", BadShard(rows(), key=shard_key(1, "gen1", 0)),

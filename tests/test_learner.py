@@ -278,3 +278,17 @@ def test_a_step_whose_pipeline_gave_the_run_up_writes_nothing(tmp_path: Path):
     assert snapshot_versions(learner.store) == [] and not learner.store.exists("lag/trainer.json")
     learner.train_step(shards)  # the same trainer, still holding the run, finishes the step it applied
     assert snapshot_versions(learner.store) == [1] and read_trainer_state(learner.store).version == 1
+
+
+def test_the_lag_histogram_counts_each_sample_at_its_own_version(tmp_path: Path):
+    """A multi-turn group may span versions: its shard's key names the oldest, its rows their own."""
+    learner = make_learner(tmp_path)
+    write_fresh(learner, 0)
+    learner.train_step(learner.admit_batch(poll_seconds=0.01))
+    mixed = [dataclasses.replace(r, group_id="s00000002", policy_version=i // 2) for i, r in enumerate(make_rollouts(n=4, version=0))]
+    write_shard(learner.store, mixed, "gen0", 2)
+    write_fresh(learner, 3)
+    batch = learner.admit_batch(poll_seconds=0.01)
+    assert len(batch) == 2 and any(key.startswith("rollouts/v00000000/") for key in batch)
+    record = learner.train_step(batch)
+    assert record["lag_histogram"] == {"0": 6, "1": 2}

@@ -28,6 +28,18 @@ def test_a_resumed_trainer_counts_each_version_once_with_its_last_record(tmp_pat
     assert [(s["version"], s["reward_mean"]) for s in steps] == [(1, 0.1), (2, 0.25), (3, 0.3)]
 
 
+def test_the_idle_fraction_covers_every_life_of_a_resumed_trainer(tmp_path):
+    """A resumed trainer's running totals start at 0: the last record describes its life only."""
+    store = open_run_store(StorageConfig(root=f"file://{tmp_path}"), "run")
+    trainer = MetricsLog(store, "trainer", flush_seconds=0)
+    first_life = [{"version": v, "reward_mean": 0.1, "step_seconds": 1.0, "wait_seconds": 0.0, "busy_seconds": v, "idle_seconds": 0.0}
+                  for v in (1, 2, 3)]  # fmt: skip
+    resumed = {"version": 4, "reward_mean": 0.1, "step_seconds": 1.0, "wait_seconds": 3.0, "busy_seconds": 1.0, "idle_seconds": 3.0}
+    for record in [*first_life, resumed]:
+        trainer.log("train_step", **record)
+    assert write_summary(store, None, None)["trainer_idle_fraction"] == 3.0 / 7.0
+
+
 def test_the_identity_sees_a_lost_shard(tmp_path):
     store = open_run_store(StorageConfig(root=f"file://{tmp_path}"), "run")
     generator = MetricsLog(store, "generator-gen0", flush_seconds=0)

@@ -65,7 +65,7 @@ def make_rollouts(
                 loss_mask=mask,
                 behavior_logprobs=[-rng.randrange(1, 64) / 16 if m else 0.0 for m in mask],
                 reward=float(i % 2),
-                group_id=f"g{i // 2}",
+                group_id="g0",
                 policy_version=version,
                 env="calculator",
                 turns=2,
@@ -103,6 +103,8 @@ def test_round_trip(store: RunStore):
 
 @st.composite
 def rollouts(draw) -> list[Rollout]:
+    group = draw(st.text(max_size=8))
+
     def one(_) -> Rollout:
         mask = draw(st.lists(st.integers(0, 1), max_size=12))
         token, logprob = st.integers(0, 2**31 - 1), st.floats(-30, 0, width=32)
@@ -112,7 +114,7 @@ def rollouts(draw) -> list[Rollout]:
             loss_mask=mask,
             behavior_logprobs=[draw(logprob) if m else 0.0 for m in mask],
             reward=draw(st.floats(-1e6, 1e6, width=32)),
-            group_id=draw(st.text(max_size=8)),
+            group_id=group,
             policy_version=draw(st.integers(0, MAX_VERSION)),
             env=draw(st.text(max_size=8)),
             turns=draw(st.integers(0, 100)),
@@ -359,7 +361,7 @@ rng = random.Random(0)
 store = open_run_store(StorageConfig(**json.loads(sys.argv[1])), "run-kill")
 n = 64 * 8
 rows = [Rollout([1] * 64, [rng.randrange(50000) for _ in range(n)], [1] * n,
-                [-rng.random() for _ in range(n)], 1.0, f"g{{i}}", 0, "calc", 1, "stop", "gen0",
+                [-rng.random() for _ in range(n)], 1.0, "g0", 0, "calc", 1, "stop", "gen0",
                 0.0, 1.0, 0.5) for i in range(600)]
 table = rollouts_to_table(rows)
 if len(sys.argv) > 2:  # freeze in the first file write of shard number argv[2] of this run
