@@ -38,6 +38,7 @@ import contextlib
 import hashlib
 import re
 import time
+from collections import Counter
 from uuid import UUID
 
 from prefect.client.orchestration import get_client
@@ -61,9 +62,10 @@ from flows.ui import api_unavailable
 from infra.deployments import RUN_TAG, UNRESPONSIVE_MESSAGE
 from infra.storage import open_run_store
 from tasks.autoscale import autoscale_target, generator_wait_fraction, trainer_idle_fraction
-from tasks.lag import live_producers, request_retire, request_stop, stop_reason, withdraw_retire
+from tasks.lag import SlotClaims, live_producers, request_retire, request_stop, stop_reason, withdraw_retire
 from tasks.lease import PipelineWatch
 from tasks.metrics import read_metrics
+from tasks.shards import committed_slots
 
 DRAIN_SECONDS = 60.0
 """How long generation runs get to stop by themselves once training has ended."""
@@ -140,12 +142,17 @@ class Supervisor:
         self.client = get_client(sync_client=True)
         self.log = get_run_logger()
         self.parameters = {"config": config.as_parameters(secrets=True), "pipeline_claim": claim}
+        self.claim = claim
+        self.started: Counter[str] = Counter()
+        """Child runs started, by role ("training" or the producer id)."""
         self.training: FlowRun | None = None
         self.generators: dict[str, UUID] = {}
         """Producer id -> flow run id of each generation run that should be generating."""
         self.retiring: dict[str, UUID] = {}
         """Producer id -> flow run id of each generation run asked to retire, until it is final."""
         self.restarts = 0
+        self.abandoned_slots = 0
+        """Slots claimed, and never to be committed, by generation runs given up on."""
         self.gave_up = False
         """Set once a generation run failed with no restarts left: from then on the parent starts
         no generation run, so that a scale request or the autoscaler cannot undo the bound."""
@@ -160,8 +167,15 @@ class Supervisor:
         """This pipeline's hold on the run (it holds the lease while the supervisor runs)."""
 
     def start(self, flow_name: str, **parameters) -> FlowRun:
+        """Start a child run. Its idempotency key names this pipeline's claim, the child's role
+        and how many of that role it started before: Prefect's client resends a creation whose
+        answer it lost (a read timeout, a server restarting), and without the key the server
+        made a second run, two trainers on one run directory."""
         name = f"{flow_name}/{self.config.prefect.deployment}"
-        run = run_deployment(name, parameters=self.parameters | parameters, as_subflow=True, timeout=0)
+        role = parameters.get("producer", flow_name)
+        key = f"tandem:{self.claim}:{role}:{self.started[role]}"
+        run = run_deployment(name, parameters=self.parameters | parameters, as_subflow=True, timeout=0, idempotency_key=key)
+        self.started[role] += 1  # after the run exists: a start that raised is tried again with its key
         self.log.info("started %s run %s (%s)", flow_name, run.name, run.id)
         return run
 
@@ -173,11 +187,11 @@ class Supervisor:
         """Start the children and watch them until training is over; raise if it failed. The
         run's `tandem scale` request is cleared at the end (the pipeline cleared it as it took
         the run), so that a retrain of the run starts with `prefect.generators`."""
-        self.training = self.start("training")
-        self.training_state = self.training.state
-        for i in range(self.target):
-            self.start_generator(f"gen{i}")
-        try:
+        try:  # a start that fails stops those already started
+            self.training = self.start("training")
+            self.training_state = self.training.state
+            for i in range(self.target):
+                self.start_generator(f"gen{i}")
             while not (state := self.watch()).is_final():
                 time.sleep(self.config.prefect.watch_seconds)
             if not state.is_completed():
@@ -264,11 +278,32 @@ class Supervisor:
                 self.log.error("generation %s ended %s; no restarts left, and no generation runs will be added", producer, state.name)
                 if not self.generators:
                     request_stop(self.store, f"every generation run failed; the last, {producer}, ended {_ended(state)}")
+                elif reason := self.abandon_claims(producer):
+                    request_stop(self.store, f"generation {producer} ended {_ended(state)} with no restarts left: {reason}")
                 continue
-            self.restarts += 1
-            self.log.warning("generation %s ended %s: restarting it (%d of %d)", producer, _ended(state),
-                             self.restarts, self.config.prefect.generation_restarts)  # fmt: skip
             self.start_generator(producer)
+            self.restarts += 1  # once started: a start the API refused is tried again, not charged twice
+            self.log.warning("generation %s ended %s: restarted it (%d of %d)", producer, _ended(state),
+                             self.restarts, self.config.prefect.generation_restarts)  # fmt: skip
+
+    def abandon_claims(self, producer: str) -> str | None:
+        """Count the slots `producer` claimed and never committed, now that no run of it will;
+        the reason the run cannot go on, or None while it can.
+
+        Only a run of the same producer id generates those slots (tasks/generator.py `orphans`),
+        so each holds a share of the admission capacity for good: the max_lag + 1 batches in
+        flight have max_lag x prompts_per_step slots to spare, and past that no batch fills
+        again. The trainer would wait for ever, and the parent with it."""
+        per_step, max_lag = self.config.training.prompts_per_step, self.config.lag.max_lag
+        claims = SlotClaims(self.store, producer, per_step)
+        self.abandoned_slots += len(claims.claimed_by_me(exclude=set(committed_slots(self.store))))
+        if self.abandoned_slots <= max_lag * per_step:
+            return None
+        return (
+            f"{self.abandoned_slots} groups claimed by generation runs given up on will never be generated, more than "
+            f"the {max_lag * per_step} the lag window spares (lag.max_lag x training.prompts_per_step), so no batch "
+            "could fill again; raise prefect.generation_restarts, or resume the run"
+        )
 
     def wanted_generators(self) -> int:
         """`prefect.generators` at first; then each new count `tandem scale` asks for; and with
@@ -279,8 +314,8 @@ class Supervisor:
             self.set_target(max(1, int(requested)), "tandem scale asked for it")
         policy = self.config.prefect.autoscale
         if policy is not None and time.monotonic() - self.changed_at >= policy.cooldown_seconds:
-            trainer_idle = trainer_idle_fraction(read_metrics(self.store, "trainer"))
             since = time.time() - (time.monotonic() - self.changed_at)
+            trainer_idle = trainer_idle_fraction(read_metrics(self.store, "trainer"), since)
             waits = generator_wait_fraction([read_metrics(self.store, f"generator-{p}") for p in self.generators], since)
             target = autoscale_target(self.target, trainer_idle, waits, policy)
             if target != self.target:
@@ -294,8 +329,23 @@ class Supervisor:
 
     def scale_to(self, wanted: int) -> None:
         for producer, run_id in list(self.retiring.items()):
-            if self.state_of(run_id).is_final():
+            state = self.state_of(run_id)
+            if not state.is_final():
+                continue
+            if state.is_completed():
                 del self.retiring[producer]
+                continue
+            # It died before committing what it claimed, which only a run of its name generates:
+            # started again with the retire request in place, it does that and leaves.
+            if self.restarts < self.config.prefect.generation_restarts:
+                self.retiring[producer] = self.start("generation", producer=producer).id
+                self.restarts += 1
+                self.log.warning("retiring generation %s ended %s: restarted it to finish its claims (%d of %d)",
+                                 producer, _ended(state), self.restarts, self.config.prefect.generation_restarts)  # fmt: skip
+                continue
+            del self.retiring[producer]
+            if reason := self.abandon_claims(producer):
+                request_stop(self.store, f"retiring generation {producer} ended {_ended(state)} with no restarts left: {reason}")
         while len(self.generators) < wanted and not self.gave_up:
             taken = self.generators.keys() | self.retiring.keys()
             producer = next(f"gen{i}" for i in range(len(taken) + 1) if f"gen{i}" not in taken)

@@ -8,14 +8,23 @@ from tasks.autoscale import autoscale_target, generator_wait_fraction, trainer_i
 POLICY = AutoscaleConfig(min=1, max=3, target_trainer_idle=0.2, max_generator_wait=0.3)
 
 
-def steps(wait: float, step: float, count: int = 12) -> list[dict]:
-    return [{"event": "train_step", "wait_seconds": wait, "step_seconds": step}] * count
+def steps(wait: float, step: float, count: int = 12, at: float = 100.0) -> list[dict]:
+    return [{"event": "train_step", "time": at, "wait_seconds": wait, "step_seconds": step}] * count
 
 
 def test_trainer_idle_fraction_is_over_the_last_ten_steps():
     assert trainer_idle_fraction([]) is None
     records = steps(wait=9.0, step=1.0, count=5) + steps(wait=1.0, step=3.0, count=10)
     assert trainer_idle_fraction(records) == 0.25
+
+
+def test_trainer_idle_fraction_counts_only_steps_after_the_last_change():
+    """A step slower than the cooldown: the measurement from before a change does not decide the
+    next one; two steps after it do."""
+    before = steps(wait=9.0, step=1.0, count=10, at=50.0)
+    assert trainer_idle_fraction(before, since=60.0) is None
+    assert trainer_idle_fraction(before + steps(wait=1.0, step=3.0, count=1, at=70.0), since=60.0) is None
+    assert trainer_idle_fraction(before + steps(wait=1.0, step=3.0, count=2, at=70.0), since=60.0) == 0.25
 
 
 def test_generator_wait_takes_each_generators_newest_report_since_the_last_change():

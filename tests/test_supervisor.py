@@ -11,7 +11,7 @@ from uuid import UUID, uuid4
 
 import httpx
 import pytest
-from prefect.states import Completed, Failed, Running
+from prefect.states import Failed, Running
 
 import flows.supervisor as supervisor
 from configs.schema import RunConfig
