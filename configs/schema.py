@@ -88,7 +88,7 @@ class SimLatencyConfig(Section):
 SGLANG_FLAGS_SET_BY_TANDEM = {
     "--model-path": "the run's snapshot", "--host": "engine.host", "--port": "engine.base_port",
     "--tp-size": "engine.tp_size", "--mem-fraction-static": "engine.mem_fraction_static",
-    "--random-seed": "the run's seed and the engine's index", "--base-gpu-id": "the engine's index",
+    "--random-seed": "the engine's index", "--base-gpu-id": "the engine's index",
     "--weight-version": "the snapshot's version", "--dtype": "the checkpoint's dtype",
     "--api-key": "engine.api_key", "--config": "engine.api_key",
     "--model": "the run's snapshot", "--tensor-parallel-size": "engine.tp_size",
