@@ -30,7 +30,7 @@ from flows.pipeline import pipeline
 from infra.storage import open_run_store
 from tasks.checkpoints import latest_checkpoint_step
 from tasks.promotion import promote_if_better, read_promoted
-from tasks.rundir import load_run_config
+from tasks.rundir import CONFIG_KEY, load_run_config
 from tasks.snapshots import latest_version, load_snapshot
 
 @flow(name="retrain", log_prints=True)
@@ -53,6 +53,15 @@ def retrain(
         if new_run_id is None:
             config = _continued(source, source_store, steps)
             print(f"continuing run {run_id} from step {config.training.steps - steps} to {config.training.steps}")
+            summary = pipeline(config)
+        elif open_run_store(source.storage, new_run_id).exists(CONFIG_KEY):
+            # An earlier retrain started it (and failed, or was stopped): go on with it as it was
+            # started. Started afresh, its model.path (the earlier attempt's temporary copy)
+            # differed from the recorded one, and the run refused to start.
+            data = load_run_config(f"{root}/{new_run_id}", reach).model_dump()
+            data["training"]["steps"] = steps
+            config = RunConfig.model_validate(data)
+            print(f"continuing run {new_run_id}, which an earlier retrain started from {run_id}, to step {steps}")
             summary = pipeline(config)
         else:
             with tempfile.TemporaryDirectory(prefix="tandem-retrain-") as cache:

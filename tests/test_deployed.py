@@ -183,6 +183,14 @@ def test_retrain_continues_the_run(deployment, finished):
     assert recorded["training"]["warmup_steps"] == 0 and recorded["model"]["path"], "starts from the source's snapshot"
     assert read_promoted(store) == above_any, "a retrain scoring below the promoted score leaves PROMOTED alone"
 
+    # The same retrain again (after a failure, say): it goes on with the successor as started,
+    # whose model.path, the first attempt's temporary copy, is gone.
+    out = deployment.cli(_bin("prefect"), "deployment", "run", "retrain/tandem", "--param", f"run_id={run_id}", "--param", "steps=3",
+                         "--param", f"new_run_id={run_id}-next", "--param", f"storage_root=s3://{deployment.bucket}/runs")  # fmt: skip
+    run = deployment.wait_final(_flow_run_id(out))
+    assert run.state.is_completed(), run.state.message
+    assert snapshot_versions(successor)[-1] == 3
+
 
 NO_EVALUATION = "env.eval_prompts=0"
 """For the runs that test something else: the evaluations before and after a run each boot an
