@@ -15,8 +15,8 @@ the pipeline run, and then watches them every `prefect.watch_seconds` until trai
 - when training ends the generators stop by themselves (the trainer state says done); any
   still running after `DRAIN_SECONDS` is cancelled. If training failed, or the parent itself
   fails or is cancelled, it asks the trainer to stop through storage and cancels every child
-  still running, and waits until they are, so that no generation run (and none of its engines)
-  outlives the run. A cancellation needs the API; the stop request and the lease do not: a
+  still running, and waits until they are (`CANCEL_WAIT_SECONDS`, less when the parent is itself
+  being cancelled), so that no generation run (and none of its engines) outlives the run. A cancellation needs the API; the stop request and the lease do not: a
   child whose pipeline died or released the run stops by itself (tasks/lease.py
   `PipelineWatch`).
 
@@ -52,6 +52,7 @@ from prefect.client.schemas.filters import (
 )
 from prefect.client.schemas.objects import FlowRun, StateType
 from prefect.deployments import run_deployment
+from prefect.exceptions import TerminationSignal
 from prefect.logging import get_run_logger
 from prefect.states import Cancelling
 from prefect.variables import Variable
@@ -75,6 +76,10 @@ CANCEL_WAIT_SECONDS = 60.0
 """How long the parent waits for the children it cancelled to be stopped (their worker kills the
 flow run's process; its engines, in sessions of their own, stop when they see it gone) before it
 reports them and ends anyway."""
+TERMINATED_CANCEL_WAIT_SECONDS = 15.0
+"""The same wait when the parent itself is being cancelled: its worker SIGKILLs it 30 s after
+the SIGTERM, and what follows the wait (the lease's release, the scale request's) must run
+before that, or the run stays held, and refused to a new pipeline, until the lease goes stale."""
 
 
 API_OUTAGE_SECONDS = 600.0
@@ -199,7 +204,7 @@ class Supervisor:
             self.drain(DRAIN_SECONDS if state.is_completed() else 0.0)
         except BaseException as err:
             self.stop_children(f"the pipeline failed: {err!r}")
-            self.drain(0.0)
+            self.drain(0.0, TERMINATED_CANCEL_WAIT_SECONDS if isinstance(err, TerminationSignal) else None)
             raise
         finally:
             with contextlib.suppress(Exception):  # the API may be what failed the run
@@ -357,8 +362,10 @@ class Supervisor:
             request_retire(self.store, producer)
             self.retiring[producer] = self.generators.pop(producer)
 
-    def drain(self, seconds: float) -> None:
-        """Give the generation runs `seconds` to stop by themselves, then cancel what still runs."""
+    def drain(self, seconds: float, cancel_wait: float | None = None) -> None:
+        """Give the generation runs `seconds` to stop by themselves, then cancel what still runs
+        and wait up to `cancel_wait` (default CANCEL_WAIT_SECONDS) for it to be stopped."""
+        cancel_wait = CANCEL_WAIT_SECONDS if cancel_wait is None else cancel_wait
         runs = [*self.generators.values(), *self.retiring.values()]
         if self.training is not None:
             runs.append(self.training.id)
@@ -374,9 +381,9 @@ class Supervisor:
                 if not api_unavailable(err):
                     raise
                 self.log.error("could not cancel child run %s: the Prefect API is unavailable (%r)", run_id, err)
-        deadline = time.monotonic() + CANCEL_WAIT_SECONDS
+        deadline = time.monotonic() + cancel_wait
         while cancelled and time.monotonic() < deadline:
             cancelled = [run_id for run_id in cancelled if not self.is_final(run_id)]
-            time.sleep(1.0)
+            time.sleep(min(1.0, cancel_wait))
         if cancelled:
-            self.log.error("child runs still not cancelled after %.0f s: %s", CANCEL_WAIT_SECONDS, cancelled)
+            self.log.error("child runs still not cancelled after %.0f s: %s", cancel_wait, cancelled)

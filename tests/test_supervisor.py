@@ -5,6 +5,7 @@ run directory is real (file://); the Prefect API is a stand-in that answers chil
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 from types import SimpleNamespace
 from uuid import UUID, uuid4
@@ -22,13 +23,13 @@ PER_STEP = 4
 
 
 class ChildStates:
-    """read_flow_run answers the state set for each run id."""
+    """read_flow_run answers the state set for each run id, Running for one started since."""
 
     def __init__(self):
         self.states: dict[UUID, object] = {}
 
     def read_flow_run(self, run_id):
-        return SimpleNamespace(state=self.states[run_id])
+        return SimpleNamespace(state=self.states.get(run_id, Running()))
 
 
 def parent_of(store, max_lag: int, restarts: int) -> Supervisor:
@@ -130,3 +131,25 @@ def test_child_starts_carry_a_key_that_a_resent_creation_repeats(monkeypatch):
     parent.start("generation", producer="gen0")
     parent.start("training")
     assert keys == ["tandem:c1:training:0", "tandem:c1:training:0", "tandem:c1:gen0:0", "tandem:c1:gen0:1", "tandem:c1:training:1"]
+
+
+def test_a_parent_being_cancelled_waits_for_its_children_less_than_its_worker_gives_it(file_store, monkeypatch):
+    """Its worker SIGKILLs a cancelled parent 30 s after the SIGTERM; the parent's own cleanup
+    (the lease's release) comes after this wait, so the wait must end well before that."""
+    monkeypatch.setattr(supervisor, "CANCEL_WAIT_SECONDS", 60.0)
+    monkeypatch.setattr(supervisor, "TERMINATED_CANCEL_WAIT_SECONDS", 0.2)
+    monkeypatch.setattr(supervisor, "clear_scale_request", lambda run_id: None)
+    parent = parent_of(file_store, max_lag=1, restarts=1)
+    parent.pipeline = SimpleNamespace(gone=lambda now=False: None, successor=None)
+    parent.client.set_flow_run_state = lambda run_id, state, force=False: None  # the children never get there
+    parent.target, parent.training = 1, None
+
+    def terminated():
+        raise supervisor.TerminationSignal(15)
+
+    parent.watch = terminated
+    started = time.monotonic()
+    with pytest.raises(supervisor.TerminationSignal):
+        parent.run()
+    assert time.monotonic() - started < 5, "not CANCEL_WAIT_SECONDS"
+    assert parent.started == ["training", "gen0"] and "the pipeline failed" in stop_reason(file_store)
