@@ -94,7 +94,8 @@ PRODUCER = "bench"
 
 
 def make_tables(cfg: dict, rng: random.Random) -> list:
-    """`shards` distinct Arrow tables of `rows` trajectories each, like a generator's output."""
+    """`shards` distinct Arrow tables of `rows` trajectories each, like a generator's output: one
+    group a shard."""
     tables, vocab = [], len(TASK_VOCABULARY)
     for shard in range(cfg["shards"]):
         rollouts = []
@@ -106,7 +107,7 @@ def make_tables(cfg: dict, rng: random.Random) -> list:
                 completion_ids=[rng.randrange(vocab) for _ in range(n)],
                 loss_mask=mask,
                 behavior_logprobs=[-rng.expovariate(2.0) * m for m in mask],
-                reward=float(rng.random() < 0.5), group_id=f"g{shard}-{row // 8}",
+                reward=float(rng.random() < 0.5), group_id=f"s{shard:08d}",
                 policy_version=shard % 3, env="calculator", turns=2, finish_reason="stop",
                 producer=PRODUCER, started_at=time.time(), finished_at=time.time() + 1.0,
                 generate_seconds=1.0,
