@@ -151,13 +151,13 @@ def load_trainable_model(path: Path | str) -> tuple[PreTrainedModel, torch.dtype
     smaller than 1/256 of a weight rounds away, so a norm weight of about 1 never moves at a
     learning rate of 1e-4; in float16 AdamW's eps (1e-8) rounds to 0 and its second moment
     underflows, and the first step writes infinities. verl, OpenRLHF and slime keep float32
-    parameters and optimizer state for the same reason."""
-    import torch
-    from transformers import AutoConfig
+    parameters and optimizer state for the same reason.
 
-    stored = AutoConfig.from_pretrained(str(path)).dtype
-    stored = getattr(torch, stored) if isinstance(stored, str) else stored or torch.float32
-    return load_model(path, dtype=torch.float32), stored
+    The stored dtype is the one a plain load takes (dtype "auto": config.json's, else the
+    weights' own); the model is then cast in place, a parameter at a time."""
+    model = load_model(path)
+    stored = model.dtype
+    return model.float(), stored
 
 
 def load_tokenizer(path: Path | str) -> PreTrainedTokenizerBase:

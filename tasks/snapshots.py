@@ -92,11 +92,22 @@ def publish_snapshot(
 
 
 def _save_cast(model: PreTrainedModel, out_dir: Path, dtype: torch.dtype) -> None:
-    """`model.save_pretrained` with its weights, and config.json's dtype, in `dtype`. Tied weights
-    (embeddings and head) stay one tensor, so they are saved once, as from the model itself."""
+    """`model.save_pretrained` with its floating-point weights, and config.json's dtype, in
+    `dtype`, except those the model class keeps in float32 (as a load in `dtype` leaves them).
+    Tied weights (embeddings and head) stay one tensor, so they are saved once, as from the
+    model itself."""
+    keep = set(model._keep_in_fp32_modules_strict or ()) | set(
+        (model._keep_in_fp32_modules or ()) if str(dtype) == "torch.float16" else ()
+    )
     cast: dict[tuple, torch.Tensor] = {}
-    state = {name: cast.setdefault((t.data_ptr(), t.shape), t.to(dtype)) for name, t in model.state_dict().items()}
-    model.save_pretrained(out_dir, state_dict=state)
+
+    def stored(name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if not tensor.is_floating_point() or keep & set(name.split(".")) or tensor.numel() == 0:
+            return tensor
+        tie = (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.shape, tensor.stride())
+        return cast.setdefault(tie, tensor.to(dtype))
+
+    model.save_pretrained(out_dir, state_dict={name: stored(name, t) for name, t in model.state_dict().items()})
     config = copy.deepcopy(model.config)
     config.dtype = dtype
     config.save_pretrained(out_dir)
