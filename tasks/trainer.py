@@ -17,7 +17,7 @@ the supervised warm-start that precedes RL. Plain torch, no Prefect, no DDP.
   the batch unconsumed, so Prefect's retry and every resume met the same batch and the same
   overflow, and the run could not go on; applying it would publish NaN weights to every
   generator. `MAX_SKIPPED_IN_A_ROW` in a row raise: the weights, not a batch, are then the
-  trouble. The RL passes run in eval mode: dropout would make the trainer's logprobs differ from
+  trouble. A warm-start step raises at once, naming training.warmup_lr. The RL passes run in eval mode: dropout would make the trainer's logprobs differ from
   the engines' at lag 0 (verl and TRL turn it off for the policy too).
 - Temperature: the policy that acts is softmax(logits / T), so that is the one trained: its
   logprobs are the ratio's numerator and the gradient is that of the distribution the samples
@@ -247,10 +247,14 @@ class Trainer:
         )  # fmt: skip
 
     def _apply(self, loss: Tensor, optimizer: torch.optim.Optimizer) -> dict[str, float]:
-        """Backward, clip, step; grad_norm is the norm before clipping."""
+        """Backward, clip, step (the warm-start's); grad_norm is the norm before clipping. A
+        non-finite gradient fails it: the warm-start's data and learning rate are the user's."""
         try:
             loss.backward()
-            return self._step(optimizer)
+            step = self._step(optimizer)
+            if step["skipped"]:
+                raise FloatingPointError(f"a warm-start step's gradient norm is {step['grad_norm']}: lower training.warmup_lr")
+            return step
         finally:
             optimizer.zero_grad(set_to_none=True)
 

@@ -243,6 +243,15 @@ def test_a_non_finite_gradient_skips_the_update_and_three_in_a_row_raise() -> No
         trainer.rl_step(overflow)
 
 
+def test_a_non_finite_warm_start_step_raises_naming_the_learning_rate() -> None:
+    """The warm-start's data and learning rate are the user's: no skipping there."""
+    model = tiny_model()
+    with torch.no_grad():
+        model.model.norm.weight[0] = float("inf")
+    with pytest.raises(FloatingPointError, match="training.warmup_lr"):
+        Trainer(model, TrainingConfig()).supervised_step(*build_supervised_batch(WARM))
+
+
 def test_the_rl_step_runs_without_dropout() -> None:
     """With dropout on, the trainer's logprobs differ from the engines' even at lag 0."""
     model = tiny_model()
