@@ -21,8 +21,8 @@ from configs.schema import AutoscaleConfig
 RECENT_STEPS = 10
 """Trainer steps the idle fraction is measured over."""
 STEPS_AFTER_A_CHANGE = 2
-"""Trainer steps a change must be followed by before the trainer's idle fraction counts again:
-the first may have begun before the change (and a new generator boots during it)."""
+"""Trainer steps begun after a change before the trainer's idle fraction counts again (a new
+generator boots during the first)."""
 
 
 def trainer_idle_fraction(trainer_records: list[dict], since: float = 0.0) -> float | None:
@@ -30,12 +30,17 @@ def trainer_idle_fraction(trainer_records: list[dict], since: float = 0.0) -> fl
     None before `STEPS_AFTER_A_CHANGE` of them. Steps from before the change say nothing of it:
     counted, a trainer whose step outlasts the cooldown added a generator at every cooldown on
     the same measurement, up to the maximum, before the first addition could show."""
-    steps = [r for r in trainer_records if r.get("event") == "train_step" and r["time"] >= since][-RECENT_STEPS:]
+    steps = [r for r in trainer_records if r.get("event") == "train_step" and _began(r) >= since][-RECENT_STEPS:]
     if len(steps) < STEPS_AFTER_A_CHANGE:
         return None
     busy = sum(r["step_seconds"] for r in steps)
     idle = sum(r["wait_seconds"] for r in steps)
     return idle / (busy + idle) if steps and busy + idle > 0 else None
+
+
+def _began(step: dict) -> float:
+    """When a step's wait for data began: its record is written at its end."""
+    return step["time"] - step["step_seconds"] - step["wait_seconds"]
 
 
 def generator_wait_fraction(generator_records: list[list[dict]], since: float) -> float | None:

@@ -99,7 +99,7 @@ def write_summary(store: RunStore, eval_before: dict | None, eval_after: dict | 
     head, tail = steps[: max(1, len(steps) // 10)], steps[-max(1, len(steps) // 10):]
     # Summed over the kept steps, not the last record's running totals: those start again at 0
     # in a resumed trainer, and would describe its life only.
-    busy, idle = sum(r["step_seconds"] for r in steps), sum(r["wait_seconds"] for r in steps)
+    busy, idle = sum(r.get("step_seconds", 0.0) for r in steps), sum(r.get("wait_seconds", 0.0) for r in steps)
     summary = {
         "steps": len(steps),
         "reward_start": _mean(r["reward_mean"] for r in head),

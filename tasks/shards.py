@@ -268,7 +268,7 @@ def validate_table(
     if table.num_rows == 0:
         raise ShardError("shard has no rows")
     groups = pc.unique(table["group_id"])
-    if len(groups) > 1:  # the trainer normalises advantages, and knows a group as trained, per shard
+    if len(groups) > 1:  # the trainer records a group as trained, and drops its copies, by shard
         raise ShardError(f"a shard is one group, and this one holds {len(groups)}: {', '.join(map(str, groups.to_pylist()[:4]))}")
     row = _first_false(pc.greater(pc.list_value_length(table["prompt_ids"]), 0))
     if row >= 0:  # the trainer scores a completion's first token from the prompt's last position

@@ -25,6 +25,8 @@ def test_trainer_idle_fraction_counts_only_steps_after_the_last_change():
     assert trainer_idle_fraction(before, since=60.0) is None
     assert trainer_idle_fraction(before + steps(wait=1.0, step=3.0, count=1, at=70.0), since=60.0) is None
     assert trainer_idle_fraction(before + steps(wait=1.0, step=3.0, count=2, at=70.0), since=60.0) == 0.25
+    begun_before = steps(wait=9.0, step=1.0, count=1, at=65.0)  # ended after the change, began before it
+    assert trainer_idle_fraction(begun_before + steps(wait=1.0, step=3.0, count=1, at=70.0), since=60.0) is None
 
 
 def test_generator_wait_takes_each_generators_newest_report_since_the_last_change():
