@@ -340,6 +340,8 @@ class Supervisor:
             if state.is_completed():
                 del self.retiring[producer]
                 continue
+            if _marked_unresponsive(state) and producer in live_producers(self.store):
+                continue  # its heartbeats were lost, not its process: it still finishes its claims
             # It died before committing what it claimed, which only a run of its name generates:
             # started again with the retire request in place, it does that and leaves.
             if self.restarts < self.config.prefect.generation_restarts:
@@ -349,6 +351,8 @@ class Supervisor:
                                  producer, _ended(state), self.restarts, self.config.prefect.generation_restarts)  # fmt: skip
                 continue
             del self.retiring[producer]
+            self.gave_up = True
+            self.log.error("retiring generation %s ended %s; no restarts left, and no generation runs will be added", producer, state.name)
             if reason := self.abandon_claims(producer):
                 request_stop(self.store, f"retiring generation {producer} ended {_ended(state)} with no restarts left: {reason}")
         while len(self.generators) < wanted and not self.gave_up:

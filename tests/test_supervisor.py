@@ -90,6 +90,7 @@ def test_a_retiring_generator_that_dies_is_started_again_to_finish_its_claims(fi
     parent.client.states[parent.retiring["gen1"]] = Failed(message="again")
     parent.scale_to(1)
     assert "gen1" not in parent.retiring and "1 groups" in stop_reason(file_store), "max_lag 0 spares none"
+    assert parent.gave_up, "its id is not reused by a scale-up, which would get round the restarts"
 
 
 def test_a_restart_the_api_refused_is_not_charged_and_is_tried_again(file_store):
