@@ -175,13 +175,21 @@ def score_newest_snapshot(config: RunConfig, store: RunStore) -> dict | None:
     if not config.env.eval_prompts:
         return None
     version = committed_version(store, None)
+    if (record := recorded_score(config, store, version)) is not None:
+        print(f"v{version}: scored {record['score']:.3f} already, not evaluated again")
+        return record
+    return evaluation(config, version)
+
+
+def recorded_score(config: RunConfig, store: RunStore, version: int) -> dict | None:
+    """The newest evaluation of snapshot `version` on the config's held-out prompts since its
+    commit, if one is recorded."""
     since = committed_at(store, version)
     for record in reversed(read_metrics(store, "evaluation")):
         if record.get("event") == "evaluation" and (record.get("version"), record.get("prompts")) == (version, config.env.eval_prompts) \
                 and record["time"] >= since:  # fmt: skip
-            print(f"v{version}: scored {record['score']:.3f} already, not evaluated again")
             return record
-    return evaluation(config, version)
+    return None
 
 
 def stop_children(config: RunConfig, reason: str) -> None:

@@ -26,12 +26,12 @@ from pydantic import Field
 from configs import DEPLOYED_CONFIG, load_config
 from configs.fields import RunId
 from configs.schema import RunConfig, StorageConfig
-from flows.pipeline import pipeline
+from flows.pipeline import pipeline, recorded_score
 from infra.storage import open_run_store
 from tasks.checkpoints import latest_checkpoint_step
 from tasks.promotion import promote_if_better, read_promoted
-from tasks.rundir import CONFIG_KEY, load_run_config
-from tasks.snapshots import latest_version, load_snapshot
+from tasks.rundir import CONFIG_KEY, RunConflict, check_recorded_config, load_run_config
+from tasks.snapshots import latest_version, load_snapshot, snapshot_versions
 
 @flow(name="retrain", log_prints=True)
 def retrain(
@@ -43,6 +43,8 @@ def retrain(
     """Retrain `run_id` (under `storage_root`, default: configs/deployed.yaml's) for `steps` steps.
     Under deployed.yaml's root the run directory is reached as that file says (its endpoint and
     Secret block, if it names them); under another, or without them, with the worker's environment."""
+    if new_run_id == run_id:
+        raise ValueError(f"new_run_id names the run to retrain ({run_id}); leave it out to continue that run")
     root, reach = run_location(storage_root, load_config(DEPLOYED_CONFIG).storage)
     source = load_run_config(f"{root}/{run_id}", reach)
     if not source.env.eval_prompts:
@@ -55,22 +57,20 @@ def retrain(
             print(f"continuing run {run_id} from step {config.training.steps - steps} to {config.training.steps}")
             summary = pipeline(config)
         elif open_run_store(source.storage, new_run_id).exists(CONFIG_KEY):
-            # An earlier retrain started it (and failed, or was stopped): go on with it as it was
-            # started. Started afresh, its model.path (the earlier attempt's temporary copy)
-            # differed from the recorded one, and the run refused to start.
-            data = load_run_config(f"{root}/{new_run_id}", reach).model_dump()
-            data["training"]["steps"] = steps
-            config = RunConfig.model_validate(data)
+            config = _unfinished_successor(source, new_run_id, steps, f"{root}/{new_run_id}", reach)
             print(f"continuing run {new_run_id}, which an earlier retrain started from {run_id}, to step {steps}")
             summary = pipeline(config)
         else:
             with tempfile.TemporaryDirectory(prefix="tandem-retrain-") as cache:
-                config = _successor(source, source_store, new_run_id, steps, Path(cache))
+                model_dir = load_snapshot(source_store, Path(cache) / "weights", latest_version(source_store))
+                config = _successor(source, new_run_id, steps, str(model_dir))
                 print(f"starting run {new_run_id} from snapshot v{latest_version(source_store)} of {run_id}")
                 summary = pipeline(config)
     store = open_run_store(config.storage, config.run_id)
     version = latest_version(store)
     baseline = summary["eval_before"]
+    if new_run_id is not None and (start := recorded_score(config, store, 0)) is not None:
+        baseline = start  # a continued successor's "before" is where its earlier attempt stopped
     moved = promote_if_better(source_store, store, version, summary["eval_after"], baseline)
     promoted = read_promoted(source_store)
     verdict = "promoted" if moved else "not promoted"
@@ -97,13 +97,34 @@ def _continued(source: RunConfig, store, steps: int) -> RunConfig:
     return RunConfig.model_validate(data)  # with the config's checks: the slot limit counts the steps
 
 
-def _successor(source: RunConfig, store, new_run_id: str, steps: int, cache: Path) -> RunConfig:
-    """A new run that starts from `source`'s newest snapshot, with no warm-start."""
-    model_dir = load_snapshot(store, cache / "weights", latest_version(store))
+def _successor(source: RunConfig, new_run_id: str, steps: int, model_path: str) -> RunConfig:
+    """A new run that starts from `source`'s snapshot in `model_path`, with no warm-start."""
     data = source.as_parameters(secrets=True)
     data["run_id"] = new_run_id
-    data["model"]["path"] = str(model_dir)
+    data["model"]["path"] = model_path
     data["training"] |= {"steps": steps, "warmup_steps": 0}
     for key in ("key", "secret"):
         data["storage"].pop(key, None)
     return RunConfig.model_validate(data)
+
+
+def _unfinished_successor(source: RunConfig, new_run_id: str, steps: int, url: str, reach: list[str]) -> RunConfig:
+    """The config to go on with successor run `new_run_id`, which an earlier retrain of `source`
+    started (and which failed, or was stopped); RunConflict if it is another run, has trained its
+    `steps` already, or never made its initial snapshot.
+
+    Started afresh, the retry's model.path (a temporary copy of the source's snapshot, like the
+    earlier attempt's, since deleted) differed from the recorded one, and the run refused to
+    start over a field the user never set. The successor's v0 holds that snapshot already."""
+    recorded = load_run_config(url, reach)
+    store = open_run_store(recorded.storage, new_run_id)
+    if 0 not in snapshot_versions(store):
+        raise RunConflict(f"run {new_run_id} at {store.url} was started by an earlier retrain that stopped before its "
+                          "initial snapshot: delete that run directory, or give another new_run_id")  # fmt: skip
+    config = _successor(source, new_run_id, steps, recorded.model.path)
+    check_recorded_config(store, config)  # RunConflict naming the fields of another run's config
+    done = latest_checkpoint_step(store) or 0
+    if done >= steps:
+        raise RunConflict(f"run {new_run_id} has trained its {done} steps already (an earlier retrain started it from "
+                          f"{source.run_id}): give another new_run_id for a new run, or retrain {new_run_id} itself")  # fmt: skip
+    return config

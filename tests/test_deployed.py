@@ -190,6 +190,10 @@ def test_retrain_continues_the_run(deployment, finished):
     run = deployment.wait_final(_flow_run_id(out))
     assert run.state.is_completed(), run.state.message
     assert snapshot_versions(successor)[-1] == 3
+    out = deployment.cli(_bin("prefect"), "deployment", "run", "retrain/tandem", "--param", f"run_id={run_id}", "--param", "steps=3",
+                         "--param", f"new_run_id={run_id}-next", "--param", f"storage_root=s3://{deployment.bucket}/runs")  # fmt: skip
+    run = deployment.wait_final(_flow_run_id(out))
+    assert run.state.is_failed() and "has trained its 3 steps already" in run.state.message, run.state.message
 
 
 NO_EVALUATION = "env.eval_prompts=0"
