@@ -35,7 +35,7 @@ def trainer_idle_fraction(trainer_records: list[dict], since: float = 0.0) -> fl
         return None
     busy = sum(r["step_seconds"] for r in steps)
     idle = sum(r["wait_seconds"] for r in steps)
-    return idle / (busy + idle) if steps and busy + idle > 0 else None
+    return idle / (busy + idle) if busy + idle > 0 else None
 
 
 def _began(step: dict) -> float:

@@ -8,7 +8,6 @@ included. The score is the mean reward, and `solved` the fraction of episodes wi
 from __future__ import annotations
 
 import asyncio
-
 from pathlib import Path
 
 from configs.schema import RunConfig
