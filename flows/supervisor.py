@@ -82,6 +82,11 @@ the SIGTERM, and what follows the wait (the lease's release, the scale request's
 before that, or the run stays held, and refused to a new pipeline, until the lease goes stale."""
 
 
+START_WARNING_SECONDS = 120.0
+"""How long a child run may wait for a worker before the parent says so: about ten times a
+start's usual few seconds, and nothing else would tell the user why the run does not move."""
+
+
 API_OUTAGE_SECONDS = 600.0
 """How long the parent keeps watching through a Prefect API that does not answer (each look
 itself already retried for about a minute by Prefect's client) before it gives up on the run."""
@@ -166,6 +171,9 @@ class Supervisor:
         """How many generation runs the parent is steering towards."""
         self.last_request: int | None = None
         self.changed_at = time.monotonic()
+        self.waiting_since: dict[UUID, float] = {}
+        """When each child run was first seen waiting to start."""
+        self.warned_waiting: set[UUID] = set()
         self.api_lost_at: float | None = None
         """When the Prefect API stopped answering the watch loop; None while it answers."""
         self.pipeline = PipelineWatch(self.store, claim)
@@ -257,7 +265,19 @@ class Supervisor:
         return state
 
     def state_of(self, run_id: UUID):
-        return self.client.read_flow_run(run_id).state
+        """Run `run_id`'s state; warns once about a run that has waited `START_WARNING_SECONDS`
+        for a worker to start it."""
+        run = self.client.read_flow_run(run_id)
+        if run.state.type in (StateType.SCHEDULED, StateType.PENDING) and run_id not in self.warned_waiting:
+            waiting_since = self.waiting_since.setdefault(run_id, time.monotonic())
+            if time.monotonic() - waiting_since >= START_WARNING_SECONDS:
+                self.warned_waiting.add(run_id)
+                self.log.warning(
+                    "child run %s has waited %.0f s to start (%s): is a worker of pool %r running, with a free slot? "
+                    "A worker started with --limit counts the pipeline run itself when it polls the same pool",
+                    run.name, START_WARNING_SECONDS, run.state.name, run.work_pool_name,
+                )  # fmt: skip
+        return run.state
 
     def is_final(self, run_id: UUID) -> bool:
         """Whether run `run_id` is final; False while the API cannot say (drain looks again)."""

@@ -12,7 +12,7 @@ from uuid import UUID, uuid4
 
 import httpx
 import pytest
-from prefect.states import Failed, Running
+from prefect.states import Failed, Running, Scheduled
 
 import flows.supervisor as supervisor
 from configs.schema import RunConfig
@@ -29,7 +29,7 @@ class ChildStates:
         self.states: dict[UUID, object] = {}
 
     def read_flow_run(self, run_id):
-        return SimpleNamespace(state=self.states.get(run_id, Running()))
+        return SimpleNamespace(state=self.states.get(run_id, Running()), name=f"run-{run_id}", work_pool_name="training")
 
 
 def parent_of(store, max_lag: int, restarts: int) -> Supervisor:
@@ -40,6 +40,7 @@ def parent_of(store, max_lag: int, restarts: int) -> Supervisor:
     })  # fmt: skip
     parent.store, parent.client, parent.log = store, ChildStates(), logging.getLogger("test")
     parent.generators, parent.retiring, parent.restarts, parent.gave_up, parent.abandoned_slots = {}, {}, 0, False, 0
+    parent.waiting_since, parent.warned_waiting = {}, set()
     parent.started = []
 
     def start(flow_name, **parameters):
@@ -154,3 +155,15 @@ def test_a_parent_being_cancelled_waits_for_its_children_less_than_its_worker_gi
         parent.run()
     assert time.monotonic() - started < 5, "not CANCEL_WAIT_SECONDS"
     assert parent.started == ["training", "gen0"] and "the pipeline failed" in stop_reason(file_store)
+
+
+def test_a_child_that_waits_long_to_start_is_reported_once_naming_its_pool(file_store, monkeypatch, caplog):
+    """Nothing else says why a run does not move when no worker of a pool has a free slot."""
+    monkeypatch.setattr(supervisor, "START_WARNING_SECONDS", 0.0)
+    parent = parent_of(file_store, max_lag=1, restarts=1)
+    child(parent, "gen0", Scheduled())
+    with caplog.at_level(logging.WARNING, logger="test"):
+        for _ in range(3):
+            parent.state_of(parent.generators["gen0"])
+    (warning,) = [r.getMessage() for r in caplog.records if "waited" in r.getMessage()]
+    assert "pool 'training'" in warning and "Scheduled" in warning
