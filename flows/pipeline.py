@@ -57,11 +57,11 @@ and the generators' abort of their engines take seconds."""
 
 
 def _worth_retrying(task, task_run, state) -> bool:
-    """Retry storage trouble, not a run id reused with another config or a damaged config.json
-    (user errors that a retry reads again unchanged)."""
+    """Retry storage trouble, not a run id reused with another config, a damaged config.json or
+    a warm-start that diverged (user errors that a retry meets again unchanged)."""
     try:
         state.result()
-    except (RunConflict, ConfigError):
+    except (RunConflict, ConfigError, FloatingPointError):
         return False
     except Exception:
         return True

@@ -58,7 +58,7 @@ def retrain(
             summary = pipeline(config)
         elif open_run_store(source.storage, new_run_id).exists(CONFIG_KEY):
             config = _unfinished_successor(source, new_run_id, steps, f"{root}/{new_run_id}", reach)
-            print(f"continuing run {new_run_id}, which an earlier retrain started from {run_id}, to step {steps}")
+            print(f"continuing run {new_run_id}, which an earlier retrain started from a snapshot of {run_id}, to step {steps}")
             summary = pipeline(config)
         else:
             with tempfile.TemporaryDirectory(prefix="tandem-retrain-") as cache:
@@ -68,15 +68,22 @@ def retrain(
                 summary = pipeline(config)
     store = open_run_store(config.storage, config.run_id)
     version = latest_version(store)
-    baseline = summary["eval_before"]
-    if new_run_id is not None and (start := recorded_score(config, store, 0)) is not None:
-        baseline = start  # a continued successor's "before" is where its earlier attempt stopped
+    baseline = _baseline(config, store, summary, continued=new_run_id is None)
     moved = promote_if_better(source_store, store, version, summary["eval_after"], baseline)
     promoted = read_promoted(source_store)
     verdict = "promoted" if moved else "not promoted"
     print(f"v{version} of {config.run_id} scored {summary['eval_after']:.3f}: {verdict}; PROMOTED is "
           + (f"v{promoted.version} of {promoted.run_url} ({promoted.score:.3f})" if promoted else "unset"))  # fmt: skip
     return {"run_id": config.run_id, "version": version, "score": summary["eval_after"], "promoted": moved}
+
+
+def _baseline(config: RunConfig, store, summary: dict, continued: bool) -> float:
+    """The score a retrain must beat with no PROMOTED: where it started. For a successor that is
+    its v0 (the source's snapshot), also when an earlier attempt trained it part of the way and
+    this one's opening evaluation scored where that one stopped."""
+    if not continued and (start := recorded_score(config, store, 0)) is not None:
+        return start["score"]
+    return summary["eval_before"]
 
 
 def run_location(storage_root: str | None, deployed: StorageConfig) -> tuple[str, list[str]]:
@@ -118,11 +125,11 @@ def _unfinished_successor(source: RunConfig, new_run_id: str, steps: int, url: s
     start over a field the user never set. The successor's v0 holds that snapshot already."""
     recorded = load_run_config(url, reach)
     store = open_run_store(recorded.storage, new_run_id)
+    config = _successor(source, new_run_id, steps, recorded.model.path)
+    check_recorded_config(store, config)  # RunConflict naming the fields of another run's config
     if 0 not in snapshot_versions(store):
         raise RunConflict(f"run {new_run_id} at {store.url} was started by an earlier retrain that stopped before its "
                           "initial snapshot: delete that run directory, or give another new_run_id")  # fmt: skip
-    config = _successor(source, new_run_id, steps, recorded.model.path)
-    check_recorded_config(store, config)  # RunConflict naming the fields of another run's config
     done = latest_checkpoint_step(store) or 0
     if done >= steps:
         raise RunConflict(f"run {new_run_id} has trained its {done} steps already (an earlier retrain started it from "

@@ -273,8 +273,7 @@ class Supervisor:
             if time.monotonic() - waiting_since >= START_WARNING_SECONDS:
                 self.warned_waiting.add(run_id)
                 self.log.warning(
-                    "child run %s has waited %.0f s to start (%s): is a worker of pool %r running, with a free slot? "
-                    "A worker started with --limit counts the pipeline run itself when it polls the same pool",
+                    "child run %s has waited %.0f s to start (%s): is a worker of pool %r running, with a free slot?",
                     run.name, START_WARNING_SECONDS, run.state.name, run.work_pool_name,
                 )  # fmt: skip
         return run.state

@@ -33,14 +33,15 @@ def trainer_idle_fraction(trainer_records: list[dict], since: float = 0.0) -> fl
     steps = [r for r in trainer_records if r.get("event") == "train_step" and _began(r) >= since][-RECENT_STEPS:]
     if len(steps) < STEPS_AFTER_A_CHANGE:
         return None
-    busy = sum(r["step_seconds"] for r in steps)
-    idle = sum(r["wait_seconds"] for r in steps)
+    busy = sum(r.get("step_seconds", 0.0) for r in steps)
+    idle = sum(r.get("wait_seconds", 0.0) for r in steps)
     return idle / (busy + idle) if busy + idle > 0 else None
 
 
 def _began(step: dict) -> float:
-    """When a step's wait for data began: its record is written at its end."""
-    return step["time"] - step["step_seconds"] - step["wait_seconds"]
+    """When a step's wait for data began: its record is written at its end. (Records from before
+    they carried their durations count as begun at their end, long before any change now.)"""
+    return step["time"] - step.get("step_seconds", 0.0) - step.get("wait_seconds", 0.0)
 
 
 def generator_wait_fraction(generator_records: list[list[dict]], since: float) -> float | None:

@@ -96,16 +96,17 @@ def _save_cast(model: PreTrainedModel, out_dir: Path, dtype: torch.dtype) -> Non
     `dtype`, except those the model class keeps in float32 (as a load in `dtype` leaves them).
     Tied weights (embeddings and head) stay one tensor, so they are saved once, as from the
     model itself."""
-    keep = set(model._keep_in_fp32_modules_strict or ()) | set(
-        (model._keep_in_fp32_modules or ()) if str(dtype) == "torch.float16" else ()
-    )
+    keep = [*(model._keep_in_fp32_modules_strict or ()), *((model._keep_in_fp32_modules or ()) if str(dtype) == "torch.float16" else ())]
+    kept = re.compile("|".join(rf"(^|\.){re.escape(part)}(\.|$)" for part in keep)) if keep else None  # "mlp.gate" too
     cast: dict[tuple, torch.Tensor] = {}
 
     def stored(name: str, tensor: torch.Tensor) -> torch.Tensor:
-        if not tensor.is_floating_point() or keep & set(name.split(".")) or tensor.numel() == 0:
+        if not tensor.is_floating_point() or (kept and kept.search(name)) or tensor.numel() == 0:
             return tensor
         tie = (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.shape, tensor.stride())
-        return cast.setdefault(tie, tensor.to(dtype))
+        if tie not in cast:
+            cast[tie] = tensor.to(dtype)
+        return cast[tie]
 
     model.save_pretrained(out_dir, state_dict={name: stored(name, t) for name, t in model.state_dict().items()})
     config = copy.deepcopy(model.config)

@@ -53,3 +53,9 @@ def test_a_balanced_run_keeps_its_size_and_bounds_are_enforced_first():
     assert autoscale_target(2, trainer_idle=None, generator_wait=None, policy=POLICY) == 2
     assert autoscale_target(5, trainer_idle=0.9, generator_wait=None, policy=POLICY) == 3
     assert autoscale_target(0, trainer_idle=None, generator_wait=None, policy=POLICY) == 1
+
+
+def test_records_without_durations_count_as_begun_at_their_end():
+    """A run continued from records written before steps carried their durations."""
+    old = [{"event": "train_step", "time": 50.0}] * 3
+    assert trainer_idle_fraction(old + steps(wait=1.0, step=3.0, count=2, at=70.0), since=60.0) == 0.25

@@ -32,3 +32,24 @@ def test_a_new_run_can_be_promoted_in_the_source_run(file_store, tmp_path):
     promoted = read_promoted(file_store)
     assert promoted.run_url == successor.url and promoted.version == 3
     assert pinned_versions(successor) == {3}
+
+
+def test_a_successor_retrain_must_beat_its_v0_score_where_nothing_is_promoted(file_store, tmp_path):
+    """Continued after a failed attempt, a successor's opening evaluation scores where that
+    attempt stopped: the bar is its v0's recorded score (a number, as promote_if_better takes)."""
+    from configs.schema import RunConfig
+    from flows.retrain import _baseline
+    from tasks.metrics import MetricsLog
+    from tasks.snapshots import publish_snapshot_dir
+
+    snapshot = tmp_path / "v0"
+    snapshot.mkdir()
+    (snapshot / "config.json").write_text("{}")
+    publish_snapshot_dir(file_store, snapshot, 0)
+    config = RunConfig.model_validate({"env": {"eval_prompts": 8}})
+    resumed_at = {"eval_before": 0.6}
+    assert _baseline(config, file_store, resumed_at, continued=False) == 0.6, "no v0 score recorded"
+    MetricsLog(file_store, "evaluation", flush_seconds=0).log("evaluation", version=0, score=0.2, prompts=8)
+    assert _baseline(config, file_store, resumed_at, continued=False) == 0.2
+    assert _baseline(config, file_store, resumed_at, continued=True) == 0.6, "a continued run is judged from where it resumed"
+    assert promote_if_better(file_store, file_store, version=3, score=0.5, baseline=_baseline(config, file_store, resumed_at, False))

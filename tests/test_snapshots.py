@@ -104,6 +104,16 @@ def test_a_snapshot_is_written_back_in_the_checkpoints_dtype(file_store, tmp_pat
             assert set(saved.keys()) == set(as_is.keys()), "the tied head is saved once, as the model saves it"
 
 
+def test_weights_the_model_class_keeps_in_float32_stay_float32(file_store, tmp_path, model, tokenizer) -> None:
+    """As a load in bfloat16 leaves them: matched as transformers does, by dotted name parts."""
+    model._keep_in_fp32_modules_strict = ["mlp.down_proj"]
+    publish_snapshot(file_store, model, tokenizer, version=1, dtype=torch.bfloat16)
+    with safe_open(load_snapshot(file_store, tmp_path / "cache") / "model.safetensors", "pt") as saved:
+        dtypes = {name: saved.get_tensor(name).dtype for name in saved.keys()}
+    assert {d for name, d in dtypes.items() if "mlp.down_proj" in name} == {torch.float32}
+    assert {d for name, d in dtypes.items() if "mlp.down_proj" not in name} == {torch.bfloat16}
+
+
 def test_publishing_on_file_links_the_staged_files_and_leaves_no_staging(file_store, tmp_path, model, tokenizer,
                                                                          monkeypatch) -> None:  # fmt: skip
     """The snapshot is saved once, in the run's own staging area, and linked into place: a copy
