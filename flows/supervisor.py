@@ -298,17 +298,22 @@ class Supervisor:
                 continue  # its heartbeats were lost, not its process: it still writes its record
             if self.restarts >= self.config.prefect.generation_restarts:
                 del self.generators[producer]
-                self.gave_up = True
-                self.log.error("generation %s ended %s; no restarts left, and no generation runs will be added", producer, state.name)
-                if not self.generators:
-                    request_stop(self.store, f"every generation run failed; the last, {producer}, ended {_ended(state)}")
-                elif reason := self.abandon_claims(producer):
-                    request_stop(self.store, f"generation {producer} ended {_ended(state)} with no restarts left: {reason}")
+                self.give_up(f"generation {producer}", producer, state)
                 continue
             self.start_generator(producer)
             self.restarts += 1  # once started: a start the API refused is tried again, not charged twice
             self.log.warning("generation %s ended %s: restarted it (%d of %d)", producer, _ended(state),
                              self.restarts, self.config.prefect.generation_restarts)  # fmt: skip
+
+    def give_up(self, what: str, producer: str, state) -> None:
+        """No more runs of `producer` (out of restarts), nor any new generation run; stop the run
+        if none generates any more, or if what it leaves unclaimed starves the trainer."""
+        self.gave_up = True
+        self.log.error("%s ended %s; no restarts left, and no generation runs will be added", what, state.name)
+        if not self.generators:
+            request_stop(self.store, f"every generation run failed; the last, {producer}, ended {_ended(state)}")
+        elif reason := self.abandon_claims(producer):
+            request_stop(self.store, f"{what} ended {_ended(state)} with no restarts left: {reason}")
 
     def abandon_claims(self, producer: str) -> str | None:
         """Count the slots `producer` claimed and never committed, now that no run of it will;
@@ -370,10 +375,7 @@ class Supervisor:
                                  producer, _ended(state), self.restarts, self.config.prefect.generation_restarts)  # fmt: skip
                 continue
             del self.retiring[producer]
-            self.gave_up = True
-            self.log.error("retiring generation %s ended %s; no restarts left, and no generation runs will be added", producer, state.name)
-            if reason := self.abandon_claims(producer):
-                request_stop(self.store, f"retiring generation {producer} ended {_ended(state)} with no restarts left: {reason}")
+            self.give_up(f"retiring generation {producer}", producer, state)
         while len(self.generators) < wanted and not self.gave_up:
             taken = self.generators.keys() | self.retiring.keys()
             producer = next(f"gen{i}" for i in range(len(taken) + 1) if f"gen{i}" not in taken)
