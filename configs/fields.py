@@ -39,6 +39,7 @@ ROOT_PATTERN = r"^(?:file://|memory://|s3:///*[^/])"
 ENTRYPOINT_FORM = r"[A-Za-z_][\w.]*:[A-Za-z_]\w*"
 BLOCK_NAME_FORM = r"[a-z0-9][a-z0-9-]{0,127}"
 DEPLOYMENT_NAME_FORM = r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}"
+TRAINER_DEVICE_FORM = r"auto|cpu|cuda(?::[0-9]{1,2})?"
 """Forms of the fields below whose checks are Python code or need the JSON-schema twin of
 `whole_text_pattern`: a field's validator words the error for a person, its pattern lets Prefect
 refuse the field at submission."""

@@ -18,7 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationInfo, field_validator, model_validator
 
 from configs.fields import (
-    BLOCK_NAME_FORM, DEPLOYMENT_NAME_FORM, ENTRYPOINT_FORM, MAX_SLOTS, ROOT_PATTERN, RUN_ID_FORM,
+    BLOCK_NAME_FORM, DEPLOYMENT_NAME_FORM, ENTRYPOINT_FORM, MAX_SLOTS, ROOT_PATTERN, RUN_ID_FORM, TRAINER_DEVICE_FORM,
     Credential, TopK, is_run_id, takes_a_number_not_a_boolean, whole_text_pattern,
 )  # fmt: skip
 
@@ -199,6 +199,19 @@ class TrainingConfig(Section):
     """Write a resumable trainer checkpoint every this many steps."""
     simulate_step_seconds: float | None = Field(None, ge=0, le=86400)
     """Benchmarks: make each optimizer step take this long (the real step runs inside it); null: off."""
+    device: str = Field("auto", json_schema_extra=whole_text_pattern(TRAINER_DEVICE_FORM))
+    """Where the trainer's weights, optimizer and passes live: auto (the first CUDA GPU that no
+    engine of this process takes, else the CPU), cpu, cuda or cuda:N."""
+    compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """The dtype the forward and backward passes run in (autocast; weights and optimizer state stay
+    float32): auto is bfloat16 on a CUDA GPU that has it, float32 elsewhere."""
+
+    @field_validator("device")
+    @classmethod
+    def _torch_device(cls, device: str) -> str:
+        if not re.fullmatch(TRAINER_DEVICE_FORM, device):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N (N a GPU index), got {device!r}")
+        return device
 
 
 class LagConfig(Section):

@@ -24,6 +24,7 @@ from tasks.lag import TrainerState, publish_trainer_state, read_trainer_state, s
 from tasks.learner import Learner
 from tasks.lease import PipelineWatch
 from tasks.metrics import MetricsLog
+from tasks.placement import trainer_device
 from tasks.snapshots import load_snapshot, pin_snapshot
 
 
@@ -83,10 +84,13 @@ def training(config: RunConfig, pipeline_claim: str | None = None) -> dict:
 def _train(config: RunConfig, store: RunStore, cache: Path, pipeline: PipelineWatch) -> dict:
     store.clear_staging()  # what a killed trainer left half-written
     initial = load_snapshot(store, cache / "weights", version=0)
-    model, stored_dtype = load_trainable_model(initial)
-    reference = load_trainable_model(initial)[0] if config.training.kl_coef > 0 else None  # the KL term's anchor: v0, unchanged
+    device = trainer_device(config)
+    model, stored_dtype = load_trainable_model(initial, device)
+    reference = load_trainable_model(initial, device)[0] if config.training.kl_coef > 0 else None  # the KL term's anchor: v0, unchanged
     learner = Learner(config, store, model, load_tokenizer(initial), cache, MetricsLog(store, "trainer"),
                       ref_model=reference, publish_dtype=stored_dtype)  # fmt: skip
+    precision = str(learner.trainer.compute_dtype or "float32").removeprefix("torch.")
+    print(f"trainer on {device}, forward and backward passes in {precision}")
     resumed = learner.resume()
     if resumed is not None:
         print(f"resumed from checkpoint at version {resumed}")

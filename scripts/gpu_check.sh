@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Real SGLang on a CUDA GPU: the one engine check CI cannot make.
+# Real SGLang and the trainer on a CUDA GPU: the checks CI cannot make.
 #
-# Starts one SGLang server on a tiny HF model made by tandem's model factory and runs tandem's
-# engine contract suite (tests/test_engine_contract.py) against it: logprobs against a reference
+# Runs the trainer's device tests (tests/test_placement.py: a step in bfloat16 on the GPU, its
+# snapshot and checkpoint read back on the CPU), then starts one SGLang server on a tiny HF model
+# made by tandem's model factory and runs tandem's engine contract suite (tests/test_engine_contract.py) against it: logprobs against a reference
 # forward pass at temperatures 1 and 0.7, update_weights_from_disk with a new snapshot and
 # weight_version, a weight load while requests run (pause in mode retract, which lets SGLang flush
 # its KV cache), pause/continue (not the abort of a request held by a pause: SGLang holds it where
@@ -26,7 +27,7 @@ if ! "$PYTHON" -c "import sglang" 2>/dev/null; then
 fi
 "$PYTHON" -c "import torch, sglang; print('torch', torch.__version__, 'sglang', sglang.__version__, torch.cuda.get_device_name())"
 
-TANDEM_ENGINE_BACKEND=sglang "$PYTHON" -m pytest tests/test_engine_contract.py -q -p no:cacheprovider -o timeout=1200 2>&1 | tee "$LOG"
+TANDEM_ENGINE_BACKEND=sglang "$PYTHON" -m pytest tests/test_placement.py tests/test_engine_contract.py -q -p no:cacheprovider -o timeout=1200 2>&1 | tee "$LOG"
 code=${PIPESTATUS[0]}
 if [ "$code" -eq 0 ]; then
   echo "gpu_check: PASS"

@@ -5,7 +5,8 @@ It is idempotent, so a restarted pipeline calls it again safely; and it refuses 
 id whose recorded config differs, because a run directory whose shards and snapshots came from
 two configs cannot be trained on or compared honestly. Before it writes anything it checks what
 validation cannot (`check_run_inputs`: the environment imports and takes env.kwargs, model.path
-is a model), so a typo there leaves no config.json behind to refuse the corrected config.
+is a model, a GPU training.device names is here), so a typo there leaves no config.json behind
+to refuse the corrected config.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from configs.schema import RunConfig
 from infra.modelfactory import given_model_dir, load_tokenizer, load_trainable_model, prepare_initial_model
 from infra.storage import RunStore, StorageRejected, open_run_store
 from tasks.envs import EnvironmentLoadError, load_environment
+from tasks.placement import trainer_device
 from tasks.snapshots import latest_version, publish_snapshot, publish_snapshot_dir, snapshot_versions
 
 CONFIG_KEY = "config.json"
@@ -29,6 +31,7 @@ CONFIG_KEY = "config.json"
 OPERATIONAL_FIELDS = (
     "run_id", "storage.root", "storage.endpoint_url", "storage.retry_seconds", "storage.keep_last_snapshots",
     "storage.keep_every_snapshot", "training.steps", "training.checkpoint_every", "training.micro_batch_size",
+    "training.device", "training.compute_dtype",
     "generation.engines",
     "generation.prompts_per_chunk", "generation.hand_off_stragglers", "env.eval_prompts", "prefect", "dask", "engine",
 )  # fmt: skip
@@ -142,7 +145,7 @@ def initialize_run(config: RunConfig) -> RunStore:
             else:
                 from tasks.warmup import warm_start  # torch's import (4 s): not for the checks above
 
-                (model, stored_dtype), tokenizer = load_trainable_model(model_dir), load_tokenizer(model_dir)
+                (model, stored_dtype), tokenizer = load_trainable_model(model_dir, trainer_device(config)), load_tokenizer(model_dir)
                 warm_start(model, tokenizer, config)
                 publish_snapshot(store, model, tokenizer, 0, staging_dir=Path(staging), dtype=stored_dtype)
     return store
@@ -176,7 +179,8 @@ def check_run_writable(store: RunStore) -> None:
 
 def check_run_inputs(config: RunConfig, store: RunStore) -> None:
     """ConfigError naming the field unless env.entrypoint loads, the environment accepts env.kwargs,
-    and model.path (if set) is an HF model directory: what only importing and building can tell.
+    model.path (if set) is an HF model directory, and in local mode the GPU training.device names
+    (if one) is here: what only importing and building can tell.
 
     model.path is read once, to make v0, so it is checked only while the run has no v0: a run
     that `retrain --param new_run_id=...` started from a directory since removed continues."""
@@ -193,6 +197,8 @@ def check_run_inputs(config: RunConfig, store: RunStore) -> None:
             given_model_dir(config.model.path)
         except FileNotFoundError as err:
             raise ConfigError(str(err)) from None
+    if config.prefect.mode == "local" and config.training.device.startswith("cuda"):
+        trainer_device(config)  # a GPU this machine lacks, before the engines start (deployed: on the training worker)
 
 
 def _operational(field: str) -> bool:

@@ -17,8 +17,13 @@ the supervised warm-start that precedes RL. Plain torch, no Prefect, no DDP.
   the batch unconsumed, so Prefect's retry and every resume met the same batch and the same
   overflow, and the run could not go on; applying it would publish NaN weights to every
   generator. `MAX_SKIPPED_IN_A_ROW` in a row raise: the weights, not a batch, are then the
-  trouble. A warm-start step raises at once, naming training.warmup_lr. The RL passes run in eval mode: dropout would make the trainer's logprobs differ from
-  the engines' at lag 0 (verl and TRL turn it off for the policy too).
+  trouble. A warm-start step raises at once, naming training.warmup_lr. The RL passes run in eval
+  mode: dropout would make the trainer's logprobs differ from the engines' at lag 0 (verl and TRL
+  turn it off for the policy too).
+- Device and precision: the Trainer computes where its model lies (the training flow puts it on
+  training.device, tasks/placement.py) and moves each batch there. Its forward passes autocast to
+  training.compute_dtype (bfloat16 on a GPU by default); weights, gradients, optimizer state and
+  everything after the logits stay float32.
 - Temperature: the policy that acts is softmax(logits / T), so that is the one trained: its
   logprobs are the ratio's numerator and the gradient is that of the distribution the samples
   came from (as verl and slime do). The engines report behaviour logprobs of the same
@@ -37,6 +42,7 @@ the supervised warm-start that precedes RL. Plain torch, no Prefect, no DDP.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
@@ -48,6 +54,7 @@ from transformers import PreTrainedModel
 from configs.schema import TrainingConfig
 from infra.modelfactory import PAD, TASK_VOCABULARY
 from tasks.loss import policy_loss, token_entropy, token_logprobs
+from tasks.placement import autocast_dtype
 from tasks.shards import Rollout, table_to_rollouts
 
 PAD_ID = TASK_VOCABULARY.index(PAD)
@@ -181,6 +188,8 @@ class Trainer:
             )
         self._version = version
         self.skipped_in_a_row = 0
+        self.compute_dtype = autocast_dtype(cfg, model.device)
+        """What the passes autocast to (training.compute_dtype); None: float32 throughout."""
 
     @property
     def version(self) -> int:
@@ -197,7 +206,7 @@ class Trainer:
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
         self.model.train()
         inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "use_cache": False}
-        logits = self.model(**inputs).logits
+        logits = self._logits(self.model, inputs)
         logprobs = token_logprobs(logits[:, :-1], input_ids[:, 1:])
         model_tokens = loss_mask[:, 1:].to(device).bool()
         tokens = model_tokens.sum()
@@ -231,20 +240,29 @@ class Trainer:
     def _micro_batch_loss(self, part: TrainBatch, token_total: float) -> tuple[Tensor, dict[str, float]]:
         """The loss of one micro-batch, as its share of the whole batch's token mean."""
         inputs = {"input_ids": part.input_ids, "attention_mask": part.attention_mask, "use_cache": False}
-        logits = self.model(**inputs).logits / self.sampling_temperature
+        logits = self._logits(self.model, inputs) / self.sampling_temperature
         logprobs = token_logprobs(logits, part.targets)
         with torch.set_grad_enabled(self.cfg.entropy_coef > 0):
             entropy = token_entropy(logits)
         ref_logprobs = None
         if self.ref_model is not None:
             with torch.no_grad():
-                ref_logprobs = token_logprobs(self.ref_model(**inputs).logits / self.sampling_temperature, part.targets)
+                ref_logprobs = token_logprobs(self._logits(self.ref_model, inputs) / self.sampling_temperature, part.targets)
         return policy_loss(
             logprobs, part.behavior_logprobs, part.advantages, part.loss_mask,
             clip_eps=self.cfg.clip_eps, is_cap=self.cfg.is_cap, importance_correction=self.cfg.importance_correction,
             ref_logprobs=ref_logprobs, kl_coef=self.cfg.kl_coef, entropy=entropy, entropy_coef=self.cfg.entropy_coef,
             token_total=token_total,
         )  # fmt: skip
+
+    def _logits(self, model: PreTrainedModel, inputs: dict) -> Tensor:
+        """The model's float32 logits, its forward pass autocast to `compute_dtype` if set: the
+        log-softmax and the loss after it stay in float32, where a bfloat16 logprob would be off
+        by up to 1/128 of its value and the ratio with it."""
+        device = self.model.device.type
+        autocast = torch.autocast(device, dtype=self.compute_dtype) if self.compute_dtype else contextlib.nullcontext()
+        with autocast:
+            return model(**inputs).logits.float()
 
     def _apply(self, loss: Tensor, optimizer: torch.optim.Optimizer) -> dict[str, float]:
         """Backward, clip, step (the warm-start's); grad_norm is the norm before clipping. A

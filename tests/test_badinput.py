@@ -38,6 +38,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 from fastapi.testclient import TestClient
 
 from configs import TINY_CONFIG, load_config
@@ -280,6 +281,9 @@ CLI_CASES = [
          "storage.root file:///etc/hostname: cannot write the run directory /etc/hostname/tiny: Not a directory"),
     cli("run of an env entrypoint that does not import",
         Cli(("run", str(TINY_CONFIG), *INTO_TMP, "--set", "env.entrypoint=nope.mod:Cls")), "env.entrypoint"),
+    *[cli(f"{command} on a GPU this machine lacks", Cli((command, str(TINY_CONFIG), *INTO_TMP, "--set", "training.device=cuda:7")),
+          "training.device: 'cuda:7' asks for GPU 7, and torch sees")
+      for command in ("run", "init") if not torch.cuda.is_available()],
     cli("s3 root without a bucket", init_tiny("--set", "storage.root=s3://"),
         "storage.root: root must name a bucket, like s3://BUCKET or s3://BUCKET/PREFIX, got 's3://'"),
     cli("eval of a version not kept", Cli(("eval", "file://{tmp}/runs/base", "--version", "7")),

@@ -80,9 +80,10 @@ def test_prefect_refuses_a_bad_run_id_parameter_at_submission(run_id):
     [{"run_id": "../x"}, {"storage": {"root": "http://x"}}, {"storage": {"root": "s3:///"}},
      {"env": {"entrypoint": "tasks/envs.py"}}, {"generation": {"top_k": 0}},
      {"run_id": "demo\n"}, {"env": {"entrypoint": "tasks.envs.calculator:CalculatorEnv\n"}},
-     {"storage": {"credentials_block": "s3-creds\n"}}, {"prefect": {"deployment": "tandem\n"}}],  # fmt: skip
+     {"storage": {"credentials_block": "s3-creds\n"}}, {"prefect": {"deployment": "tandem\n"}},
+     {"training": {"device": "gpu"}}, {"training": {"device": "cuda:0\n"}}],  # fmt: skip
     ids=["run_id", "root scheme", "root without bucket", "entrypoint", "top_k 0", "run_id newline",
-         "entrypoint newline", "credentials block newline", "deployment newline"],
+         "entrypoint newline", "credentials block newline", "deployment newline", "device", "device newline"],
 )
 def test_prefect_refuses_bad_fields_of_the_config_parameter_at_submission(config):
     """Fields whose validator is Python code carry a pattern too, so that the server refuses them
@@ -91,7 +92,7 @@ def test_prefect_refuses_bad_fields_of_the_config_parameter_at_submission(config
     schema = parameter_schema(flow.fn).model_dump_for_openapi()
     good = {"run_id": "demo", "storage": {"root": "s3://tandem/runs", "credentials_block": "s3-creds"},
             "generation": {"top_k": 5}, "env": {"entrypoint": "tasks.envs.calculator:CalculatorEnv"},
-            "prefect": {"deployment": "tandem"}}  # fmt: skip
+            "prefect": {"deployment": "tandem"}, "training": {"device": "cuda:1"}}  # fmt: skip
     validate({"config": good}, schema, raise_on_error=True, ignore_required=True)
     with pytest.raises(ValidationError):
         validate({"config": config}, schema, raise_on_error=True, ignore_required=True)
