@@ -9,14 +9,17 @@ It reads what the components publish in the run directory (the trainer state and
 files), the same things any observer of the run could read, so it works unchanged whether the
 children run in this process or on other machines.
 
-`quiet_task_run_logs` keeps Prefect's INFO lines of task runs off a local run's console.
+`quiet_task_run_logs` keeps Prefect's INFO lines about task runs off a local run's console, not
+what the children print.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 
+import prefect
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -29,21 +32,37 @@ from tasks.report import summary_rows
 
 
 TASK_RUN_LOG_LEVEL = "PREFECT_LOGGING_LOGGERS_PREFECT_TASK_RUNS_LEVEL"
+PREFECT_SOURCE = os.path.dirname(prefect.__file__) + os.sep
+"""Where Prefect's own modules lie: a log record made there is Prefect's, not tandem's."""
+
+
+class PrefectTaskRunChatter(logging.Filter):
+    """Drops the INFO lines Prefect's own engines log under a task run ("Finished in state
+    Completed()", "Beginning subflow run"); keeps warnings and errors, and whatever tandem's code
+    prints or logs. In local mode the training and generation flows run inside the pipeline's
+    task runs, so their prints (log_prints) are task-run records too: a level on the logger would
+    drop those with the chatter ("trainer on cuda:2", "resumed from checkpoint at version 30")."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING or not record.pathname.startswith(PREFECT_SOURCE)
 
 
 def quiet_task_run_logs() -> None:
-    """Raise the level of Prefect's task-run logger to WARNING, unless TASK_RUN_LOG_LEVEL is set.
+    """Keep Prefect's task-run chatter off a local run's console, unless TASK_RUN_LOG_LEVEL is set.
 
     A local run's console was mostly "Task run 'train_step-...' - Finished in state Completed()"
     (608 of the 687 lines of `tandem run configs/tiny.yaml`), with the progress lines buried among
-    them. A task run that fails for good still shows (ERROR); one that Prefect retries logs that
-    failure at INFO, so it shows only with the level set back. The Prefect UI still shows every
-    task run and its state. Through the environment, so that the Dask workers the generation flow
-    starts inherit it."""
-    os.environ.setdefault(TASK_RUN_LOG_LEVEL, "WARNING")
-    from prefect.logging.configuration import setup_logging
-
-    setup_logging()  # incremental once set up: only the levels change
+    them. In this process a filter drops those (`PrefectTaskRunChatter`); the Dask workers the
+    generation flow starts, whose task runs are its chunks, inherit TASK_RUN_LOG_LEVEL=WARNING.
+    A task run that fails for good still shows (ERROR); one that Prefect retries logs that failure
+    at INFO, so it shows only with the level set. The Prefect UI still shows every task run and
+    its state."""
+    if TASK_RUN_LOG_LEVEL in os.environ:
+        return  # the user's level, which Prefect's logging set-up applied
+    os.environ[TASK_RUN_LOG_LEVEL] = "WARNING"
+    logger = logging.getLogger("prefect.task_runs")
+    if not any(isinstance(f, PrefectTaskRunChatter) for f in logger.filters):
+        logger.addFilter(PrefectTaskRunChatter())
 
 
 def watch_run(config: RunConfig, futures: list, poll_seconds: float = 1.0, console: Console | None = None) -> None:

@@ -11,10 +11,12 @@ from types import SimpleNamespace
 from rich.console import Console
 
 from configs import TINY_CONFIG, load_config
-from flows.progress import TASK_RUN_LOG_LEVEL, print_summary, quiet_task_run_logs, watch_run
+from flows.progress import PREFECT_SOURCE, TASK_RUN_LOG_LEVEL, print_summary, quiet_task_run_logs, watch_run
 from infra.storage import open_run_store
 from tasks.lag import TrainerState, publish_trainer_state
 from tasks.metrics import MetricsLog
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 class Finishing:
@@ -89,17 +91,28 @@ def test_the_summary_table_folds_long_paths_rather_than_cutting_them():
     assert "plots/timeline.png" in out.getvalue().replace("\n", "").replace("│", "").replace(" ", "")
 
 
-def test_a_local_run_keeps_task_run_info_lines_off_the_console_unless_told_otherwise(monkeypatch):
-    from prefect.logging.configuration import setup_logging
-
+def test_a_local_run_keeps_prefects_task_run_lines_off_the_console_but_not_what_its_flows_print(monkeypatch):
+    """In local mode the training and generation flows run inside the pipeline's task runs, so
+    what they print is a task-run record as much as Prefect's "Finished in state Completed()"."""
     logger = logging.getLogger("prefect.task_runs")
+
+    def shown(level: int, path: str) -> bool:
+        return logger.filter(logging.LogRecord("prefect.task_runs", level, path, 1, "message", None, None)) is not False
+
+    engine, trainer = os.path.join(PREFECT_SOURCE, "task_engine.py"), str(ROOT / "flows" / "training.py")
+    before = list(logger.filters)
     try:
         monkeypatch.delenv(TASK_RUN_LOG_LEVEL, raising=False)
         quiet_task_run_logs()
-        assert logger.level == logging.WARNING and os.environ[TASK_RUN_LOG_LEVEL] == "WARNING", "Dask workers inherit it"
+        quiet_task_run_logs()
+        assert len(logger.filters) == len(before) + 1, "one filter, however often the pipeline runs"
+        assert not shown(logging.INFO, engine) and shown(logging.WARNING, engine) and shown(logging.ERROR, engine)
+        assert shown(logging.INFO, trainer), "the trainer's prints"
+        assert os.environ[TASK_RUN_LOG_LEVEL] == "WARNING", "the Dask workers' task runs: they inherit it"
+        logger.filters[:] = before
         monkeypatch.setenv(TASK_RUN_LOG_LEVEL, "DEBUG")
         quiet_task_run_logs()
-        assert logger.level == logging.DEBUG, "the user's own setting stands"
+        assert shown(logging.INFO, engine), "the user's own setting stands"
     finally:
+        logger.filters[:] = before
         monkeypatch.undo()
-        setup_logging()
