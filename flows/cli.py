@@ -28,7 +28,7 @@ import yaml
 from rich.console import Console
 from rich.markup import escape
 
-from configs import ConfigError, RunConfig, load_config
+from configs import DEPLOYED_CONFIG, ConfigError, RunConfig, load_config
 
 app = typer.Typer(
     help="tandem: agentic RL with inference and training scaled independently.",
@@ -259,13 +259,26 @@ def scale(
     url = prefect_server_url()
     from prefect.variables import Variable
 
-    from flows.supervisor import running_pipeline, scale_variable  # the flows (seconds): after the checks
+    from flows.supervisor import running_pipeline, scale_request, scale_variable  # the flows (seconds): after the checks
 
     with prefect_server_reached(url):
-        if running_pipeline(run_id) is None:
+        if (pipeline_run := running_pipeline(run_id)) is None:
             fail(f"no pipeline of run {run_id!r} is running on {url}: nothing to scale", code=1)
-        Variable.set(scale_variable(run_id), generators, overwrite=True)
+        Variable.set(scale_variable(run_id), scale_request(generators), overwrite=True)
     console.print(f"run {run_id}: asked for {generators} generation run{'s' if generators != 1 else ''} (variable {scale_variable(run_id)})")
+    if (policy := autoscale_of(pipeline_run.parameters)) is not None:
+        bounded = min(max(generators, policy["min"]), policy["max"])
+        takes = f"it takes {bounded} (prefect.autoscale's min {policy['min']}, max {policy['max']}), and" if bounded != generators else "and"
+        console.print(f"note: run {run_id} autoscales: {takes} its measurements may move it again "
+                      f"{policy['cooldown_seconds']:g} s after", soft_wrap=True)  # fmt: skip
+
+
+def autoscale_of(parameters: dict) -> dict | None:
+    """The prefect.autoscale section a pipeline run was started with (configs/deployed.yaml's
+    without a config parameter), or None when it does not autoscale."""
+    given = parameters.get("config")
+    config = given if isinstance(given, dict) else load_config(DEPLOYED_CONFIG).model_dump()
+    return (config.get("prefect") or {}).get("autoscale")
 
 
 @config_app.command("show")

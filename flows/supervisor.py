@@ -120,6 +120,13 @@ def scale_variable(run_id: str) -> str:
     return re.sub(r"[^a-z0-9_-]", "-", f"tandem-generators-{run_id}".lower()) + f"-{digest}"
 
 
+def scale_request(generators: int) -> dict:
+    """The variable's value for a request of `generators` runs. It carries the time it was made,
+    so that a request for the count of an earlier one is still news to the parent: autoscale
+    may have moved the run away from it since."""
+    return {"generators": generators, "requested_at": time.time()}
+
+
 def clear_scale_request(run_id: str) -> None:
     """Drop the run's `tandem scale` request: one lasts for the pipeline run it was made during."""
     Variable.unset(scale_variable(run_id))
@@ -169,7 +176,8 @@ class Supervisor:
         policy = config.prefect.autoscale
         self.target = min(max(config.prefect.generators, policy.min), policy.max) if policy else config.prefect.generators
         """How many generation runs the parent is steering towards."""
-        self.last_request: int | None = None
+        self.last_request: dict | None = None
+        """The `tandem scale` request (`scale_request`) taken last."""
         self.changed_at = time.monotonic()
         self.waiting_since: dict[UUID, float] = {}
         """When each child run was first seen waiting to start."""
@@ -338,10 +346,12 @@ class Supervisor:
         """`prefect.generators` at first; then each new count `tandem scale` asks for; and with
         `prefect.autoscale`, one more or one fewer when the run's measurements say so."""
         requested = Variable.get(scale_variable(self.config.run_id), default=None)
-        if isinstance(requested, int | str) and str(requested).isdigit() and int(requested) != self.last_request:
-            self.last_request = int(requested)
-            self.set_target(max(1, int(requested)), "tandem scale asked for it")
         policy = self.config.prefect.autoscale
+        if isinstance(requested, dict) and isinstance(count := requested.get("generators"), int) and requested != self.last_request:
+            self.last_request = requested
+            bounded = min(max(count, policy.min), policy.max) if policy else max(1, count)
+            bounds = f", within prefect.autoscale's {policy.min}-{policy.max}" if bounded != count else ""
+            self.set_target(bounded, f"tandem scale asked for {count}{bounds}")
         if policy is not None and time.monotonic() - self.changed_at >= policy.cooldown_seconds:
             since = time.time() - (time.monotonic() - self.changed_at)
             trainer_idle = trainer_idle_fraction(read_metrics(self.store, "trainer"), since)
@@ -354,6 +364,8 @@ class Supervisor:
     def set_target(self, target: int, reason: str) -> None:
         if target != self.target:
             self.log.info("generation runs: %d -> %d (%s)", self.target, target, reason)
+        else:
+            self.log.info("generation runs: %d, unchanged (%s)", target, reason)
         self.target, self.changed_at = target, time.monotonic()
 
     def scale_to(self, wanted: int) -> None:

@@ -167,3 +167,36 @@ def test_a_child_that_waits_long_to_start_is_reported_once_naming_its_pool(file_
             parent.state_of(parent.generators["gen0"])
     (warning,) = [r.getMessage() for r in caplog.records if "waited" in r.getMessage()]
     assert "pool 'training'" in warning and "Scheduled" in warning
+
+
+def test_a_scale_request_repeated_after_autoscale_moved_the_run_is_taken_again(file_store, monkeypatch, caplog):
+    """`tandem scale demo --generators 3` twice, autoscale having moved the run to 2 between
+    them: the second request is news (it carries its own time), and one past autoscale.max is
+    bounded at once, saying so."""
+    variable: dict = {}
+    monkeypatch.setattr(supervisor, "Variable", SimpleNamespace(get=lambda name, default=None: variable.get("value", default)))
+    parent = parent_of(file_store, max_lag=1, restarts=0)
+    parent.config = RunConfig.model_validate({"prefect": {"autoscale": {"min": 1, "max": 4, "cooldown_seconds": 3600}}})
+    parent.target, parent.last_request, parent.changed_at = 1, None, time.monotonic()
+    assert parent.wanted_generators() == 1, "no request yet"
+    variable["value"] = {"generators": 3, "requested_at": 1000.0}
+    assert parent.wanted_generators() == 3
+    parent.set_target(2, "autoscale: generators waiting")
+    assert parent.wanted_generators() == 2, "the same request, seen already"
+    variable["value"] = {"generators": 3, "requested_at": 1060.0}
+    assert parent.wanted_generators() == 3, "a new request for the same count"
+    variable["value"] = supervisor.scale_request(9)
+    with caplog.at_level(logging.INFO, logger="test"):
+        assert parent.wanted_generators() == 4
+    assert "generation runs: 3 -> 4 (tandem scale asked for 9, within prefect.autoscale's 1-4)" in caplog.text
+
+
+def test_tandem_scale_reads_the_bounds_of_the_run_it_asks():
+    """`tandem scale` notes the autoscale bounds of the pipeline run it reaches: from its config
+    parameter, or configs/deployed.yaml's (no autoscale) when it was started without one."""
+    from flows.cli import autoscale_of
+
+    bounded = RunConfig.model_validate({"prefect": {"mode": "deployed", "autoscale": {"min": 2, "max": 5}}})
+    assert autoscale_of({"config": bounded.as_parameters(secrets=False)}) == bounded.prefect.autoscale.model_dump()
+    assert autoscale_of({"run_id": "demo"}) is None
+    assert autoscale_of({"config": RunConfig().as_parameters(secrets=False)}) is None
