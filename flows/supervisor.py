@@ -6,7 +6,8 @@ the pipeline run, and then watches them every `prefect.watch_seconds` until trai
 
 - a generation run that crashed or failed is started again with the same producer id (which
   makes it regenerate the slots its earlier life claimed but never committed), at most
-  `prefect.generation_restarts` times over the whole run;
+  `prefect.generation_restarts` times over the whole run; one cancelled while others run is
+  taken as one fewer (`Supervisor.take_cancelled`);
 - the number of generation runs follows the Prefect variable `tandem scale` sets
   (`scale_variable`) and, with `prefect.autoscale`, the run's own measurements
   (tasks/autoscale.py): a new run joins by reading LATEST and the admission state from storage,
@@ -304,6 +305,9 @@ class Supervisor:
                 continue
             if _marked_unresponsive(state) and producer in live_producers(self.store):
                 continue  # its heartbeats were lost, not its process: it still writes its record
+            if state.is_cancelled() and len(self.generators) > 1:
+                self.take_cancelled(producer, run_id)
+                continue
             if self.restarts >= self.config.prefect.generation_restarts:
                 del self.generators[producer]
                 self.give_up(f"generation {producer}", producer, state)
@@ -312,6 +316,25 @@ class Supervisor:
             self.restarts += 1  # once started: a start the API refused is tried again, not charged twice
             self.log.warning("generation %s ended %s: restarted it (%d of %d)", producer, _ended(state),
                              self.restarts, self.config.prefect.generation_restarts)  # fmt: skip
+
+    def take_cancelled(self, producer: str, run_id: UUID) -> None:
+        """A generation run cancelled (the Prefect UI, the API) while others generate: one fewer,
+        as `tandem scale` would have made it, not a crash to start again and charge. Only a run
+        of its producer id generates the groups it claimed, so one that left some unfinished is
+        started again, uncharged, with a retire request: it finishes them and leaves. The
+        last generation run cancelled is restarted as a crashed one is: without one the trainer
+        would wait for ever; the run itself stops by cancelling the pipeline."""
+        del self.generators[producer]
+        policy = self.config.prefect.autoscale
+        self.set_target(max(self.target - 1, policy.min if policy else 1), f"generation {producer} was cancelled")
+        request_retire(self.store, producer)
+        claims = SlotClaims(self.store, producer, self.config.training.prompts_per_step)
+        unfinished = claims.claimed_by_me(exclude=set(committed_slots(self.store)))
+        if unfinished:
+            self.log.warning("generation %s was cancelled with %d claimed groups unfinished: it comes back to finish them, "
+                             "then leaves", producer, len(unfinished))  # fmt: skip
+            self.retiring[producer] = run_id  # should the start fail, the retiring watch starts it (and charges it)
+            self.retiring[producer] = self.start("generation", producer=producer).id
 
     def give_up(self, what: str, producer: str, state) -> None:
         """No more runs of `producer` (out of restarts), nor any new generation run; stop the run

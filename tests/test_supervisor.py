@@ -12,7 +12,7 @@ from uuid import UUID, uuid4
 
 import httpx
 import pytest
-from prefect.states import Failed, Running, Scheduled
+from prefect.states import Cancelled, Failed, Running, Scheduled
 
 import flows.supervisor as supervisor
 from configs.schema import RunConfig
@@ -200,3 +200,24 @@ def test_tandem_scale_reads_the_bounds_of_the_run_it_asks():
     assert autoscale_of({"config": bounded.as_parameters(secrets=False)}) == bounded.prefect.autoscale.model_dump()
     assert autoscale_of({"run_id": "demo"}) is None
     assert autoscale_of({"config": RunConfig().as_parameters(secrets=False)}) is None
+
+
+def test_a_cancelled_generator_is_one_fewer_not_a_crash(file_store):
+    """Cancelled in the UI while another generates: the target drops by one and nothing is
+    charged. Its claims need a run of its id, so it comes back (retiring) to finish them; one
+    with none left is simply gone; the last one is restarted, as a crashed one is."""
+    parent = parent_of(file_store, max_lag=1, restarts=3)
+    parent.target, parent.changed_at = 3, time.monotonic()
+    claim_slots(file_store, "gen1", 2)
+    child(parent, "gen0", Running())
+    child(parent, "gen1", Cancelled())
+    child(parent, "gen2", Cancelled())
+    parent.restart_failed_generators()
+    assert parent.target == 1 and list(parent.generators) == ["gen0"] and parent.restarts == 0
+    assert parent.started == ["gen1"] and list(parent.retiring) == ["gen1"], "back to finish its two groups"
+    assert retire_requested(file_store, "gen1") and retire_requested(file_store, "gen2"), "...and leave"
+    parent.scale_to(1)
+    assert parent.started == ["gen1"], "gen2 claimed nothing: nothing to come back for"
+    parent.client.states[parent.generators["gen0"]] = Cancelled()
+    parent.restart_failed_generators()
+    assert parent.started == ["gen1", "gen0"] and parent.restarts == 1, "the last one is restarted"
