@@ -31,6 +31,9 @@ RunId = Annotated[str, Field(pattern=f"^{RUN_ID_FORM}$", max_length=64, json_sch
 """A run id as a flow parameter: Prefect checks the pattern when a run is submitted."""
 
 
+MAX_GENERATION_RUNS = 256
+"""Generation runs one deployed run may have (prefect.generators, autoscale, `tandem scale`)."""
+
 MAX_SLOTS = 999_999
 """Prompt groups one run may generate (steps x prompts_per_step): a shard key numbers them in six
 digits (tasks/shards.py)."""

@@ -18,7 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationInfo, field_validator, model_validator
 
 from configs.fields import (
-    BLOCK_NAME_FORM, DEPLOYMENT_NAME_FORM, ENTRYPOINT_FORM, MAX_SLOTS, ROOT_PATTERN, RUN_ID_FORM, TRAINER_DEVICE_FORM,
+    BLOCK_NAME_FORM, DEPLOYMENT_NAME_FORM, ENTRYPOINT_FORM, MAX_GENERATION_RUNS, MAX_SLOTS, ROOT_PATTERN, RUN_ID_FORM, TRAINER_DEVICE_FORM,
     Credential, TopK, is_run_id, takes_a_number_not_a_boolean, whole_text_pattern,
 )  # fmt: skip
 
@@ -297,9 +297,9 @@ class DaskConfig(Section):
 class AutoscaleConfig(Section):
     """Deployed mode: the parent sizes the generation side from what the run measures."""
 
-    min: int = Field(1, ge=1, le=256)
+    min: int = Field(1, ge=1, le=MAX_GENERATION_RUNS)
     """Fewest generation runs."""
-    max: int = Field(4, ge=1, le=256)
+    max: int = Field(4, ge=1, le=MAX_GENERATION_RUNS)
     """Most generation runs."""
     target_trainer_idle: float = Field(0.2, gt=0, lt=1)
     """Add a generation run while the trainer's idle fraction (last 10 steps) stays above this."""
@@ -322,7 +322,7 @@ class PrefectConfig(Section):
     """`local`: both subflows in this process; `deployed`: children are deployment runs on their pools."""
     deployment: str = Field("tandem", pattern=f"^{DEPLOYMENT_NAME_FORM}$", json_schema_extra=whole_text_pattern(DEPLOYMENT_NAME_FORM))
     """Deployed mode: name of the child deployments (`training/NAME`, `generation/NAME`)."""
-    generators: int = Field(1, ge=1, le=256)
+    generators: int = Field(1, ge=1, le=MAX_GENERATION_RUNS)
     """Generation runs started at the beginning (each with `generation.engines` engines)."""
     generation_restarts: int = Field(3, ge=0, le=1000)
     """Deployed mode: how often, in all, the parent restarts a crashed or failed generation run."""

@@ -29,6 +29,8 @@ from rich.console import Console
 from rich.markup import escape
 
 from configs import DEPLOYED_CONFIG, ConfigError, RunConfig, load_config
+from configs.fields import MAX_GENERATION_RUNS
+from configs.schema import AutoscaleConfig
 
 app = typer.Typer(
     help="tandem: agentic RL with inference and training scaled independently.",
@@ -249,7 +251,7 @@ def deploy(
 @app.command("scale")
 def scale(
     run_id: Annotated[str, typer.Argument(help="Run id of a deployed pipeline run.")],
-    generators: Annotated[int, typer.Option(help="Generation runs the run should have.", min=1, max=256)],
+    generators: Annotated[int, typer.Option(help="Generation runs the run should have.", min=1, max=MAX_GENERATION_RUNS)],
 ) -> None:
     """Ask a deployed run for N generation runs; its parent adds or retires them within seconds."""
     from configs.fields import is_run_id
@@ -267,18 +269,22 @@ def scale(
         Variable.set(scale_variable(run_id), scale_request(generators), overwrite=True)
     console.print(f"run {run_id}: asked for {generators} generation run{'s' if generators != 1 else ''} (variable {scale_variable(run_id)})")
     if (policy := autoscale_of(pipeline_run.parameters)) is not None:
-        bounded = min(max(generators, policy["min"]), policy["max"])
-        takes = f"it takes {bounded} (prefect.autoscale's min {policy['min']}, max {policy['max']}), and" if bounded != generators else "and"
+        bounded = min(max(generators, policy.min), policy.max)
+        takes = f"it takes {bounded} (prefect.autoscale's min {policy.min}, max {policy.max}), and" if bounded != generators else "and"
         console.print(f"note: run {run_id} autoscales: {takes} its measurements may move it again "
-                      f"{policy['cooldown_seconds']:g} s after", soft_wrap=True)  # fmt: skip
+                      f"{policy.cooldown_seconds:g} s after", soft_wrap=True)  # fmt: skip
 
 
-def autoscale_of(parameters: dict) -> dict | None:
-    """The prefect.autoscale section a pipeline run was started with (configs/deployed.yaml's
-    without a config parameter), or None when it does not autoscale."""
+def autoscale_of(parameters: dict) -> AutoscaleConfig | None:
+    """The prefect.autoscale section a pipeline run was started with, defaults filled in as the
+    run fills them (configs/deployed.yaml's without a config parameter), or None when it does not
+    autoscale."""
     given = parameters.get("config")
-    config = given if isinstance(given, dict) else load_config(DEPLOYED_CONFIG).model_dump()
-    return (config.get("prefect") or {}).get("autoscale")
+    try:
+        config = RunConfig.model_validate(given) if isinstance(given, dict) else load_config(DEPLOYED_CONFIG)
+    except ValueError:  # what the run checked as it started: a note is not worth failing for
+        return None
+    return config.prefect.autoscale
 
 
 @config_app.command("show")

@@ -59,6 +59,7 @@ from prefect.states import Cancelling
 from prefect.variables import Variable
 
 from configs import DEPLOYED_CONFIG, load_config
+from configs.fields import MAX_GENERATION_RUNS
 from configs.schema import RunConfig
 from flows.ui import api_unavailable
 from infra.deployments import RUN_TAG, UNRESPONSIVE_MESSAGE
@@ -119,6 +120,16 @@ def scale_variable(run_id: str) -> str:
     `A-b` each get their own."""
     digest = hashlib.sha256(run_id.encode()).hexdigest()[:8]
     return re.sub(r"[^a-z0-9_-]", "-", f"tandem-generators-{run_id}".lower()) + f"-{digest}"
+
+
+def _requested_count(request) -> int | None:
+    """The count a `tandem scale` request asks for: `scale_request`'s form, or a bare number as
+    older versions of the CLI wrote it (and `prefect variable set` writes, as text)."""
+    if isinstance(request, dict):
+        request = request.get("generators")
+    if isinstance(request, str) and request.strip().isdigit():
+        request = int(request)
+    return request if isinstance(request, int) and not isinstance(request, bool) else None
 
 
 def scale_request(generators: int) -> dict:
@@ -305,7 +316,7 @@ class Supervisor:
                 continue
             if _marked_unresponsive(state) and producer in live_producers(self.store):
                 continue  # its heartbeats were lost, not its process: it still writes its record
-            if state.is_cancelled() and len(self.generators) > 1:
+            if state.is_cancelled() and self.target > self.generator_bounds()[0]:
                 self.take_cancelled(producer, run_id)
                 continue
             if self.restarts >= self.config.prefect.generation_restarts:
@@ -318,15 +329,16 @@ class Supervisor:
                              self.restarts, self.config.prefect.generation_restarts)  # fmt: skip
 
     def take_cancelled(self, producer: str, run_id: UUID) -> None:
-        """A generation run cancelled (the Prefect UI, the API) while others generate: one fewer,
-        as `tandem scale` would have made it, not a crash to start again and charge. Only a run
-        of its producer id generates the groups it claimed, so one that left some unfinished is
-        started again, uncharged, with a retire request: it finishes them and leaves. The
-        last generation run cancelled is restarted as a crashed one is: without one the trainer
-        would wait for ever; the run itself stops by cancelling the pipeline."""
+        """A generation run cancelled (the Prefect UI, the API) while the run may have fewer: one
+        fewer, as `tandem scale` would have made it, not a crash to start again and charge. Only
+        a run of its producer id generates the groups it claimed, so one that left some
+        unfinished is started again once, uncharged, with a retire request: it finishes them and
+        leaves (cancelled again, the retiring watch restarts it, charged). One cancelled at the
+        fewest the run may have (1, or prefect.autoscale.min) is restarted as a crashed one is:
+        without it the trainer would wait, or autoscale's bound break; the run itself stops by
+        cancelling the pipeline."""
         del self.generators[producer]
-        policy = self.config.prefect.autoscale
-        self.set_target(max(self.target - 1, policy.min if policy else 1), f"generation {producer} was cancelled")
+        self.set_target(self.target - 1, f"generation {producer} was cancelled")
         request_retire(self.store, producer)
         claims = SlotClaims(self.store, producer, self.config.training.prompts_per_step)
         unfinished = claims.claimed_by_me(exclude=set(committed_slots(self.store)))
@@ -369,12 +381,13 @@ class Supervisor:
         """`prefect.generators` at first; then each new count `tandem scale` asks for; and with
         `prefect.autoscale`, one more or one fewer when the run's measurements say so."""
         requested = Variable.get(scale_variable(self.config.run_id), default=None)
-        policy = self.config.prefect.autoscale
-        if isinstance(requested, dict) and isinstance(count := requested.get("generators"), int) and requested != self.last_request:
+        if (count := _requested_count(requested)) is not None and requested != self.last_request:
             self.last_request = requested
-            bounded = min(max(count, policy.min), policy.max) if policy else max(1, count)
-            bounds = f", within prefect.autoscale's {policy.min}-{policy.max}" if bounded != count else ""
-            self.set_target(bounded, f"tandem scale asked for {count}{bounds}")
+            low, high = self.generator_bounds()
+            bounded = min(max(count, low), high)
+            bounds = f", bounded to {low}-{high}{' by prefect.autoscale' if self.config.prefect.autoscale else ''}"
+            self.set_target(bounded, f"tandem scale asked for {count}{bounds if bounded != count else ''}")
+        policy = self.config.prefect.autoscale
         if policy is not None and time.monotonic() - self.changed_at >= policy.cooldown_seconds:
             since = time.time() - (time.monotonic() - self.changed_at)
             trainer_idle = trainer_idle_fraction(read_metrics(self.store, "trainer"), since)
@@ -383,6 +396,12 @@ class Supervisor:
             if target != self.target:
                 self.set_target(target, f"autoscale: trainer idle {_share(trainer_idle)}, generators waiting {_share(waits)}")
         return self.target
+
+    def generator_bounds(self) -> tuple[int, int]:
+        """The fewest and most generation runs the run may have: prefect.autoscale's, or 1 to
+        MAX_GENERATION_RUNS (a request may come from the Prefect UI, not only the CLI)."""
+        policy = self.config.prefect.autoscale
+        return (policy.min, policy.max) if policy else (1, MAX_GENERATION_RUNS)
 
     def set_target(self, target: int, reason: str) -> None:
         if target != self.target:

@@ -1,11 +1,12 @@
 """Where the trainer computes: the torch device of its weights, optimizer and passes
-(`trainer_device`, from training.device) and the dtype its passes run in (`autocast_dtype`, from
-training.compute_dtype).
+(`trainer_device`, from training.device), the dtype its passes run in (`autocast_dtype`, from
+training.compute_dtype), and `release_gpu_memory` for a process that trained and goes on.
 
 `auto` has to know which GPUs are free. In local mode on a GPU machine the trainer runs beside
 the SGLang engines tandem launches there, engine i on GPUs from i x engine.tp_size of those the
-process sees (infra/engines/sglang.py), each holding engine.mem_fraction_static of its GPUs'
-memory: `auto` takes the first GPU after theirs. In deployed mode the training flow run sees only
+process sees (infra/engines/sglang.py, which places them so: flags in engine.sglang_args that
+widen an engine, such as --dp-size, are not counted), each holding engine.mem_fraction_static of
+its GPUs' memory: `auto` takes the first GPU after theirs. In deployed mode the training flow run sees only
 its worker's GPUs (one worker per GPU set, CUDA_VISIBLE_DEVICES), so `auto` takes the first. With
 no GPU left over it trains on the CPU and says so, rather than share an engine's GPU and run out
 of memory mid-run. An explicit `cuda:N` is taken as asked, shared or not.
@@ -17,6 +18,7 @@ mixed precision do. float16 is not offered: it needs loss scaling, bfloat16 does
 
 from __future__ import annotations
 
+import gc
 from typing import TYPE_CHECKING
 
 from configs.loader import ConfigError
@@ -64,8 +66,23 @@ def autocast_dtype(training: TrainingConfig, device: torch.device) -> torch.dtyp
     if training.compute_dtype == "float32":
         return None
     on_gpu = device.type == "cuda"
+    if on_gpu:
+        with torch.cuda.device(device):  # the check asks the current device: a machine may mix GPUs
+            native = torch.cuda.is_bf16_supported(including_emulation=False)
     if training.compute_dtype == "auto":
-        return torch.bfloat16 if on_gpu and torch.cuda.is_bf16_supported(including_emulation=False) else None
-    if on_gpu and not torch.cuda.is_bf16_supported(including_emulation=False):
+        return torch.bfloat16 if on_gpu and native else None
+    if on_gpu and not native:
         raise ConfigError(f"training.compute_dtype: {torch.cuda.get_device_name(device)} has no bfloat16; use float32 or auto")
     return torch.bfloat16
+
+
+def release_gpu_memory(device: torch.device) -> None:
+    """Give back the GPU memory of a model that is gone (the warm-start's): its process goes on,
+    as the pipeline (deployed mode: on a `training` worker, beside its trainer), and torch's
+    caching allocator would keep the weights', gradients' and optimizer's memory for the whole
+    run. The CUDA context itself (a few hundred MB) stays with the process."""
+    if device.type == "cuda":
+        import torch
+
+        gc.collect()  # the model and its optimizers may sit in reference cycles
+        torch.cuda.empty_cache()

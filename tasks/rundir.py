@@ -22,7 +22,7 @@ from configs.schema import RunConfig
 from infra.modelfactory import given_model_dir, load_tokenizer, load_trainable_model, prepare_initial_model
 from infra.storage import RunStore, StorageRejected, open_run_store
 from tasks.envs import EnvironmentLoadError, load_environment
-from tasks.placement import trainer_device
+from tasks.placement import release_gpu_memory, trainer_device
 from tasks.snapshots import latest_version, publish_snapshot, publish_snapshot_dir, snapshot_versions
 
 CONFIG_KEY = "config.json"
@@ -145,9 +145,12 @@ def initialize_run(config: RunConfig) -> RunStore:
             else:
                 from tasks.warmup import warm_start  # torch's import (4 s): not for the checks above
 
-                (model, stored_dtype), tokenizer = load_trainable_model(model_dir, trainer_device(config)), load_tokenizer(model_dir)
+                device = trainer_device(config)
+                (model, stored_dtype), tokenizer = load_trainable_model(model_dir, device), load_tokenizer(model_dir)
                 warm_start(model, tokenizer, config)
                 publish_snapshot(store, model, tokenizer, 0, staging_dir=Path(staging), dtype=stored_dtype)
+                del model
+                release_gpu_memory(device)
     return store
 
 
@@ -198,7 +201,7 @@ def check_run_inputs(config: RunConfig, store: RunStore) -> None:
         except FileNotFoundError as err:
             raise ConfigError(str(err)) from None
     if config.prefect.mode == "local" and config.training.device.startswith("cuda"):
-        trainer_device(config)  # a GPU this machine lacks, before the engines start (deployed: on the training worker)
+        trainer_device(config)  # a GPU this machine lacks, before the engines start (deployed: in the warm-start or the trainer)
 
 
 def _operational(field: str) -> bool:

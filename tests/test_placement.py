@@ -18,7 +18,7 @@ from infra.modelfactory import load_model, load_tokenizer, load_trainable_model,
 from tasks.checkpoints import load_checkpoint, save_checkpoint
 from tasks.placement import autocast_dtype, engine_gpus_in_process, trainer_device
 from tasks.snapshots import load_snapshot, publish_snapshot
-from tasks.trainer import Trainer
+from tasks.trainer import Trainer, build_supervised_batch
 from tests.test_trainer import TINY, on_policy_batch, tiny_model
 
 CPU = torch.device("cpu")
@@ -116,17 +116,20 @@ def test_a_bfloat16_step_computes_in_bfloat16_and_keeps_float32_weights_and_stat
 @pytest.mark.parametrize("device", [
     "cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: scripts/gpu_check.sh")),
 ])  # fmt: skip
-def test_a_trainer_on_its_device_publishes_and_checkpoints_what_the_cpu_reads_back(device, file_store, tmp_path):
+def test_a_trainer_on_its_device_publishes_and_checkpoints_what_the_cpu_and_it_read_back(device, file_store, tmp_path):
     """The trainer's whole cycle where training.device puts it: a bfloat16 checkpoint loaded
-    there as float32 masters, one step in bfloat16, the snapshot written back in bfloat16 and the
-    checkpoint, both read back on the CPU as they are after the step. scripts/gpu_check.sh runs
-    the cuda case."""
+    there as float32 masters, a warm-start step and an RL step with the KL term in bfloat16, the
+    snapshot written back in bfloat16 and the checkpoint, read back on the CPU as they were after
+    the step, and resumed on the device, where training goes on. scripts/gpu_check.sh runs the
+    cuda case."""
     path = save_tiny_model(TINY.model_copy(update={"dtype": "bfloat16"}), tmp_path / "m", seed=0)
     model, stored = load_trainable_model(path, device)
     assert model.device.type == device and model.dtype == torch.float32
-    trainer = Trainer(model, TrainingConfig(lr=1e-3, compute_dtype="bfloat16"))
+    config = TrainingConfig(lr=1e-3, compute_dtype="bfloat16", kl_coef=0.1)
+    trainer = Trainer(model, config, ref_model=load_trainable_model(path, device)[0])
+    warm = trainer.supervised_step(*build_supervised_batch([([1, 5, 6, 7], [0, 0, 1, 1]), ([1, 8, 9], [0, 1, 1])]))
     metrics = trainer.rl_step(on_policy_batch(load_model(path).float(), [1.0, -1.0]))
-    assert metrics["skipped"] == 0.0 and metrics["grad_norm"] > 0
+    assert warm["loss"] > 0 and metrics["skipped"] == 0.0 and metrics["grad_norm"] > 0 and metrics["kl"] > 0
     trained = {name: p.detach().cpu() for name, p in model.named_parameters()}
 
     publish_snapshot(file_store, model, load_tokenizer(path), 1, dtype=stored)
@@ -136,10 +139,12 @@ def test_a_trainer_on_its_device_publishes_and_checkpoints_what_the_cpu_reads_ba
         assert torch.equal(weight, trained[name].to(torch.bfloat16)), name
 
     assert save_checkpoint(file_store, 1, model, trainer.optimizer, [])
-    resumed = load_trainable_model(path)[0]
-    optimizer = Trainer(resumed, TrainingConfig(lr=1e-3)).optimizer
-    load_checkpoint(file_store, resumed, optimizer, tmp_path / "checkpoints")
-    for name, weight in resumed.named_parameters():
-        assert torch.equal(weight, trained[name]), name
-    moments = [s["exp_avg"] for s in optimizer.state.values()]
-    assert moments and all(m.device.type == "cpu" and m.abs().sum() > 0 for m in moments)
+    for where in ("cpu", device):
+        resumed = load_trainable_model(path, where)[0]
+        again = Trainer(resumed, config, ref_model=load_trainable_model(path, where)[0], version=1)
+        load_checkpoint(file_store, resumed, again.optimizer, tmp_path / f"checkpoints-{where}")
+        for name, weight in resumed.named_parameters():
+            assert torch.equal(weight.cpu(), trained[name]), (where, name)
+        moments = [s["exp_avg"] for s in again.optimizer.state.values()]
+        assert moments and all(m.device.type == where and m.abs().sum() > 0 for m in moments)
+        assert again.rl_step(on_policy_batch(load_model(path).float(), [1.0, -1.0]))["version"] == 2

@@ -188,7 +188,20 @@ def test_a_scale_request_repeated_after_autoscale_moved_the_run_is_taken_again(f
     variable["value"] = supervisor.scale_request(9)
     with caplog.at_level(logging.INFO, logger="test"):
         assert parent.wanted_generators() == 4
-    assert "generation runs: 3 -> 4 (tandem scale asked for 9, within prefect.autoscale's 1-4)" in caplog.text
+    assert "generation runs: 3 -> 4 (tandem scale asked for 9, bounded to 1-4 by prefect.autoscale)" in caplog.text
+
+
+@pytest.mark.parametrize("request_value, target", [
+    ({"generators": 0, "requested_at": 1.0}, 1), ({"generators": 300, "requested_at": 1.0}, 256),
+    (2, 2), ("3", 3), ({"generators": "many"}, 5), (True, 5), ([2], 5),
+])  # fmt: skip
+def test_a_scale_request_without_autoscale_is_bounded_and_one_of_another_form_ignored(file_store, monkeypatch, request_value, target):
+    """A request can come from the Prefect UI or API, not only the CLI: a count out of range is
+    bounded, a bare number (as earlier CLIs wrote it) taken, anything else ignored."""
+    monkeypatch.setattr(supervisor, "Variable", SimpleNamespace(get=lambda name, default=None: request_value))
+    parent = parent_of(file_store, max_lag=1, restarts=0)
+    parent.target, parent.last_request, parent.changed_at = 5, None, time.monotonic()
+    assert parent.wanted_generators() == target
 
 
 def test_tandem_scale_reads_the_bounds_of_the_run_it_asks():
@@ -197,7 +210,9 @@ def test_tandem_scale_reads_the_bounds_of_the_run_it_asks():
     from flows.cli import autoscale_of
 
     bounded = RunConfig.model_validate({"prefect": {"mode": "deployed", "autoscale": {"min": 2, "max": 5}}})
-    assert autoscale_of({"config": bounded.as_parameters(secrets=False)}) == bounded.prefect.autoscale.model_dump()
+    assert autoscale_of({"config": bounded.as_parameters(secrets=False)}) == bounded.prefect.autoscale
+    partial = autoscale_of({"config": {"prefect": {"mode": "deployed", "autoscale": {"max": 3}}}})
+    assert (partial.min, partial.max, partial.cooldown_seconds) == (1, 3, 30.0), "defaults filled in, as the run does"
     assert autoscale_of({"run_id": "demo"}) is None
     assert autoscale_of({"config": RunConfig().as_parameters(secrets=False)}) is None
 
@@ -221,3 +236,14 @@ def test_a_cancelled_generator_is_one_fewer_not_a_crash(file_store):
     parent.client.states[parent.generators["gen0"]] = Cancelled()
     parent.restart_failed_generators()
     assert parent.started == ["gen1", "gen0"] and parent.restarts == 1, "the last one is restarted"
+
+
+def test_a_generator_cancelled_at_autoscales_min_is_restarted_as_a_crashed_one(file_store):
+    parent = parent_of(file_store, max_lag=1, restarts=3)
+    parent.config = RunConfig.model_validate({"prefect": {"autoscale": {"min": 2, "max": 4}}})
+    parent.target, parent.changed_at = 2, time.monotonic()
+    child(parent, "gen0", Running())
+    child(parent, "gen1", Cancelled())
+    parent.restart_failed_generators()
+    assert parent.target == 2 and parent.started == ["gen1"] and parent.restarts == 1 and "gen1" in parent.generators
+    assert not retire_requested(file_store, "gen1")
