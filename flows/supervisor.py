@@ -6,8 +6,8 @@ the pipeline run, and then watches them every `prefect.watch_seconds` until trai
 
 - a generation run that crashed or failed is started again with the same producer id (which
   makes it regenerate the slots its earlier life claimed but never committed), at most
-  `prefect.generation_restarts` times over the whole run; one cancelled while others run is
-  taken as one fewer (`Supervisor.take_cancelled`);
+  `prefect.generation_restarts` times over the whole run; one cancelled while the run may have
+  fewer is taken as one fewer (`Supervisor.take_cancelled`);
 - the number of generation runs follows the Prefect variable `tandem scale` sets
   (`scale_variable`) and, with `prefect.autoscale`, the run's own measurements
   (tasks/autoscale.py): a new run joins by reading LATEST and the admission state from storage,
