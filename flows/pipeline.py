@@ -38,13 +38,13 @@ from configs.schema import RunConfig
 from flows.evaluation import evaluation
 from flows.generation import generation
 from flows.progress import print_summary, quiet_task_run_logs, watch_run
-from flows.supervisor import Supervisor, clear_scale_request
+from flows.supervisor import Supervisor, clear_scale_request, initial_generation_runs
 from flows.training import training
 from flows.ui import publish_summary
 from infra.prefect_server import stop_temporary_server
 from infra.storage import RunStore, open_run_store
 from tasks.checkpoints import latest_checkpoint_step
-from tasks.lag import reopen_run, request_stop
+from tasks.lag import adopt_orphaned_claims, reopen_run, request_stop
 from tasks.lease import hold_run
 from tasks.metrics import MetricsLog, read_metrics
 from tasks.report import write_summary
@@ -139,11 +139,17 @@ def _train_and_report(config: RunConfig, store: RunStore, url: str, claim: str) 
         MetricsLog(store, "pipeline", flush_seconds=0).log("withdrawn", checkpoint=checkpoint, versions=withdrawn)
         print(f"withdrew {', '.join(f'v{v}' for v in withdrawn)}: published after the checkpoint at v{checkpoint} by a "
               "trainer that stopped before its next one; the trainer resumed from it publishes these versions again")  # fmt: skip
+    starting = initial_generation_runs(config) if config.prefect.mode == "deployed" else config.prefect.generators
+    producers = [f"gen{i}" for i in range(starting)]
+    adopted = adopt_orphaned_claims(store, producers, config.training.prompts_per_step)
+    if any(adopted.values()):
+        MetricsLog(store, "pipeline", flush_seconds=0).log("claims_adopted", slots=adopted)
+        print(f"{sum(map(len, adopted.values()))} groups claimed by generators this run does not start again go to "
+              f"{', '.join(p for p, slots in adopted.items() if slots)}, which generate them first")  # fmt: skip
     before = score_newest_snapshot(config, store)
     if config.prefect.mode == "deployed":
         Supervisor(config, claim).run()
     else:
-        producers = [f"gen{i}" for i in range(config.prefect.generators)]
         generators = [run_generation.submit(config, producer, claim) for producer in producers]
         trainer = run_training.submit(config, claim)
         try:

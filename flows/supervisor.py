@@ -122,6 +122,13 @@ def scale_variable(run_id: str) -> str:
     return re.sub(r"[^a-z0-9_-]", "-", f"tandem-generators-{run_id}".lower()) + f"-{digest}"
 
 
+def initial_generation_runs(config: RunConfig) -> int:
+    """How many generation runs a pipeline starts with (gen0, gen1, ...): prefect.generators,
+    within prefect.autoscale's bounds if set."""
+    policy = config.prefect.autoscale
+    return min(max(config.prefect.generators, policy.min), policy.max) if policy else config.prefect.generators
+
+
 def _requested_count(request) -> int | None:
     """The count a `tandem scale` request asks for: `scale_request`'s form, or a bare number as
     older versions of the CLI wrote it (and `prefect variable set` writes, as text)."""
@@ -185,8 +192,7 @@ class Supervisor:
         self.gave_up = False
         """Set once a generation run failed with no restarts left: from then on the parent starts
         no generation run, so that a scale request or the autoscaler cannot undo the bound."""
-        policy = config.prefect.autoscale
-        self.target = min(max(config.prefect.generators, policy.min), policy.max) if policy else config.prefect.generators
+        self.target = initial_generation_runs(config)
         """How many generation runs the parent is steering towards."""
         self.last_request: dict | None = None
         """The `tandem scale` request (`scale_request`) taken last."""

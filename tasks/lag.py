@@ -32,6 +32,12 @@ in the step that produces V+1 has lag V - v. Two mechanisms keep every trained g
   as stale (`late_shard_keys`). A state read before the trainer moved past the bound means the
   last look is still to come, after the commit, and will see the group.
 
+- **Orphaned claims** (the pipeline, before its generators start). Only a run of the claiming
+  producer's id generates a claimed slot (a restarted one regenerates its earlier life's first);
+  `adopt_orphaned_claims` hands the uncommitted claims of producers that will not run again to
+  those that will, so that a continued run with fewer generators does not start with capacity
+  held for good.
+
 `max_lag = 0` is synchronous on-policy training: capacity is exactly one batch ahead, and a
 generator only starts a group on the newest weights.
 """
@@ -41,11 +47,12 @@ from __future__ import annotations
 import json
 import re
 import time
+import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from infra.storage import RunStore
-from tasks.shards import SHARD_KEY_PATTERN, parse_shard_key
+from tasks.shards import SHARD_KEY_PATTERN, committed_slots, parse_shard_key
 from tasks.snapshots import snapshot_versions, withdraw_after
 
 SLOTS = "lag/slots"
@@ -292,6 +299,30 @@ def reopen_run(store: RunStore, checkpoint: int) -> list[int]:
     return withdrawn
 
 
+def adopt_orphaned_claims(store: RunStore, producers: Sequence[str], groups_per_step: int) -> dict[str, list[int]]:
+    """Before the generators start (as `reopen_run`, while none runs): hand the uncommitted
+    claims of producers that will not run to those that will, in turn; each generates its
+    share first, as an earlier life's orphans (tasks/generator.py `orphans`). Returns what each
+    was given.
+
+    A run ends with its generators' last groups claimed and aborted, and only a run of the
+    claiming producer's id generates them. A continued run with fewer generators (a retrain
+    after `tandem scale` or autoscale added some, a config with fewer prefect.generators) would
+    never generate the missing ones' claims, and their capacity would stay held: past max_lag
+    batches of them, the trainer waits for ever."""
+    if not producers:
+        raise ValueError("no producer to hand the claims to")
+    registry = SlotClaims(store, "pipeline", groups_per_step)
+    owners = registry.claims(exclude=set(committed_slots(store)))
+    orphaned = sorted(slot for slot, owner in owners.items() if owner not in set(producers))
+    given: dict[str, list[int]] = {producer: [] for producer in producers}
+    for turn, slot in enumerate(orphaned):
+        heir = producers[turn % len(producers)]
+        registry.hand_over(slot, heir, owners[slot])
+        given[heir].append(slot)
+    return given
+
+
 class SlotClaims:
     """Claims of admission slots in the run directory, shared by every generator of a run."""
 
@@ -307,22 +338,39 @@ class SlotClaims:
         return self._next
 
     def claim(self, capacity: int) -> int | None:
-        """Claim the lowest free slot below `capacity`; None if every such slot is taken."""
+        """Claim the lowest free slot below `capacity`; None if every such slot is taken.
+
+        Each claim carries a nonce: a put whose response was lost is retried by the store and
+        then finds the object its first attempt made, and reports it taken. Read back, a claim
+        with this claim's nonce is this claim's; taken as another's, the slot would be neither
+        generated nor free, and its capacity held for good (at max_lag 0, one such slot stops
+        the run)."""
         while self._next < capacity:
             slot = self._next
             self._next += 1
-            body = json.dumps({"producer": self.producer, "claimed_at": time.time()}).encode()
-            if self.store.put_if_absent(slot_key(slot, self.groups_per_step), body):
+            key = slot_key(slot, self.groups_per_step)
+            body = json.dumps({"producer": self.producer, "claimed_at": time.time(), "nonce": uuid.uuid4().hex}).encode()
+            if self.store.put_if_absent(key, body) or self.store.read_bytes(key) == body:
                 return slot
         return None
 
-    def claimed_by_me(self, exclude: set[int] | frozenset[int] = frozenset()) -> list[int]:
-        """Every slot this producer has claimed, over the run's history, except `exclude`.
+    def claims(self, exclude: set[int] | frozenset[int] = frozenset()) -> dict[int, str]:
+        """Slot -> producer of every claim over the run's history, except the slots in `exclude`.
 
-        Reads the claim of each slot not in `exclude` (one GET each): pass the slots known to be
-        committed, so that only the few that are not get read."""
+        Reads each claim not in `exclude` (one GET each): pass the slots known to be committed,
+        so that only the few that are not get read."""
         slots = [s for batch_dir in self._batch_dirs() for s in self._slots_in(batch_dir) if s not in exclude]
-        return [s for s in slots if json.loads(self.store.read_bytes(slot_key(s, self.groups_per_step)))["producer"] == self.producer]
+        return {s: json.loads(self.store.read_bytes(slot_key(s, self.groups_per_step)))["producer"] for s in slots}
+
+    def claimed_by_me(self, exclude: set[int] | frozenset[int] = frozenset()) -> list[int]:
+        """Every slot this producer has claimed, over the run's history, except `exclude`."""
+        return [slot for slot, producer in self.claims(exclude).items() if producer == self.producer]
+
+    def hand_over(self, slot: int, producer: str, previous: str) -> None:
+        """Make the claim of `slot` (`previous`'s) `producer`'s, who then generates it as its own
+        orphan. Only while no generator runs (`adopt_orphaned_claims`): it is rewritten in place."""
+        body = {"producer": producer, "claimed_at": time.time(), "nonce": uuid.uuid4().hex, "handed_over_from": previous}
+        self.store.write_atomic(slot_key(slot, self.groups_per_step), json.dumps(body).encode())
 
     def _first_unclaimed_hint(self) -> int:
         """Where to start probing: just past the highest claim in the newest batch directory.

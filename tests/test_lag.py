@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from configs.schema import StorageConfig
 from infra.storage import open_run_store
 from tasks.lag import (
-    Candidate, SlotClaims, admission_capacity, claim_share, groups_in_flight, lag_of, live_producers, publish_in_flight,
+    Candidate, SlotClaims, adopt_orphaned_claims, admission_capacity, claim_share, groups_in_flight, lag_of, live_producers, publish_in_flight,
     recheck_after_restart, select_batch, IN_FLIGHT_TTL_SECONDS, waits_for_last_chance, withdraw_in_flight,
 )  # fmt: skip
 from tasks.shards import committed_slots, quarantine_shard, shard_key, write_shard
@@ -196,6 +196,46 @@ def test_a_restarted_producer_finds_the_slots_it_claimed_but_never_committed(tmp
     assert slots == {committed: shard_key(0, "gen0", committed), quarantined: bad}, "quarantined groups count as committed"
     restarted = SlotClaims(store, "gen0", 4)
     assert restarted.claimed_by_me(exclude=set(slots)) == [in_flight], "only its own uncommitted claim"
+
+
+def test_a_claim_whose_answer_was_lost_is_still_the_claimers(file_store):
+    """The store retries a put whose response was lost; the retry finds the object the first
+    attempt made and reports it taken. The claim reads it back and knows its own."""
+    put_if_absent = file_store.put_if_absent
+
+    def answer_lost(key: str, data: bytes) -> bool:
+        put_if_absent(key, data)
+        return False  # what the retry of a put that landed says
+
+    mine, theirs = SlotClaims(file_store, "gen0", 4), SlotClaims(file_store, "gen1", 4)
+    assert theirs.claim(capacity=10) == 0
+    file_store.put_if_absent = answer_lost
+    assert mine.claim(capacity=10) == 1, "slot 0 is taken indeed; slot 1 is this claim's"
+    assert mine.claimed_by_me() == [1] and theirs.claimed_by_me() == [0]
+
+
+def test_claims_of_producers_that_do_not_start_again_go_to_those_that_do(tmp_path):
+    """A run that ends leaves its generators' last groups claimed and uncommitted. Continued with
+    gen0 only, gen1's and gen2's would never be generated: the pipeline hands them to gen0, whose
+    start then finds them among its orphans. Committed claims and gen0's own stay as they were."""
+    store = open_run_store(StorageConfig(root=f"file://{tmp_path}"), "run")
+    claims = {name: SlotClaims(store, name, 4) for name in ("gen0", "gen1", "gen2")}
+    claimed = {name: [c.claim(capacity=100) for _ in range(2)] for name, c in claims.items()}
+    write_shard(store, make_rollouts(version=0, producer="gen1"), "gen1", claimed["gen1"][0])
+    orphans = sorted([claimed["gen1"][1], *claimed["gen2"]])
+
+    assert adopt_orphaned_claims(store, ["gen0"], 4) == {"gen0": orphans}
+    restarted = SlotClaims(store, "gen0", 4)
+    assert restarted.claimed_by_me(exclude=set(committed_slots(store))) == sorted([*claimed["gen0"], *orphans])
+    assert SlotClaims(store, "gen1", 4).claimed_by_me() == [claimed["gen1"][0]], "its committed slot stays its own"
+    assert adopt_orphaned_claims(store, ["gen0"], 4) == {"gen0": []}, "nothing left to hand over"
+
+    store2 = open_run_store(StorageConfig(root=f"file://{tmp_path}"), "run2")
+    for name in ("gen0", "gen1", "gen2"):
+        SlotClaims(store2, name, 4).claim(capacity=100)
+    assert adopt_orphaned_claims(store2, ["gen0", "gen1"], 4) == {"gen0": [2], "gen1": []}, "in turn, to those that start"
+    with pytest.raises(ValueError, match="no producer"):
+        adopt_orphaned_claims(store2, [], 4)
 
 
 def test_retire_request_is_per_producer_and_can_be_withdrawn(file_store):
