@@ -130,6 +130,9 @@ class EngineConfig(Section):
     def _no_flag_tandem_sets(cls, args: list[str]) -> list[str]:
         for arg in args:
             flag = arg.split("=", 1)[0]
+            if flag.startswith("--") and "--trust-remote-code".startswith(flag) and len(flag) > 3:
+                raise ValueError("--trust-remote-code would run Python files from the snapshot, which a run directory must "
+                                 "never make anyone do (a bucket's content is data); leave it out")  # fmt: skip
             # argparse also takes an unambiguous prefix of a flag: --tp for --tp-size
             owned = [name for name in SGLANG_FLAGS_SET_BY_TANDEM if flag.startswith("--") and name.startswith(flag)]
             if owned:
@@ -235,7 +238,7 @@ class StorageConfig(Section):
     credentials_block: str | None = Field(None, pattern=f"^{BLOCK_NAME_FORM}$", json_schema_extra=whole_text_pattern(BLOCK_NAME_FORM))
     """Name of a Prefect Secret block holding {"key": ..., "secret": ...}; wins over the env vars."""
     retry_seconds: float = Field(30.0, ge=0, le=3600)
-    """How long a storage call keeps retrying transient errors before it gives up."""
+    """How long a storage call keeps retrying transient errors, from its first failure, before it gives up."""
     keep_last_snapshots: int = Field(3, ge=1, le=10000)
     """Retention: keep the newest this many weight snapshots."""
     keep_every_snapshot: int = Field(10, ge=1, le=1_000_000)

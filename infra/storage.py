@@ -51,17 +51,25 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from http.client import HTTPException
 from pathlib import Path
 from typing import TypeVar
 
+import aiohttp
 import fsspec
 from botocore.exceptions import BotoCoreError, ClientError
+from botocore.parsers import ResponseParserError
 
 from configs.schema import StorageConfig
 from infra.s3 import is_precondition_failure, rejection_reason, s3_filesystem
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+TRANSIENT_ERRORS = (OSError, BotoCoreError, ClientError, TimeoutError, aiohttp.ClientError, ResponseParserError, HTTPException)
+"""Errors a store call retries. s3fs turns most of what goes wrong in a request into OSError, but
+a response cut off mid-body comes through as aiohttp's ClientPayloadError, a garbled one as
+botocore's ResponseParserError, and neither is an OSError."""
 
 PERMANENT_ERRORS = (
     FileNotFoundError,
@@ -338,14 +346,14 @@ class RunStore:
         long after the call: Prefect's task run context, whose parameters are the Learner and its
         tensors. That daemon thread then freed the tensors at interpreter exit, and the process
         aborted ("terminate called without an active exception", exit -6) after a finished run."""
-        deadline = time.monotonic() + self.retry_seconds
+        deadline = None  # from the first failure: a long transfer that fails late gets its retries too
         delay = 0.1
         while True:
             try:
                 return contextvars.Context().run(call, *args, **kwargs)
             except PERMANENT_ERRORS:
                 raise
-            except (OSError, BotoCoreError, ClientError, TimeoutError) as err:
+            except TRANSIENT_ERRORS as err:
                 if isinstance(err, OSError) and is_precondition_failure(err):
                     raise
                 if (reason := rejection_reason(err)) is not None:
@@ -354,6 +362,7 @@ class RunStore:
                     raise StorageRejected(
                         code, f"storage at {self.url} rejected the request, {reason}: {message}"
                     ) from err
+                deadline = deadline or time.monotonic() + self.retry_seconds
                 if time.monotonic() + delay > deadline:
                     raise StorageUnavailable(
                         f"storage at {self.url} failed for {self.retry_seconds:.0f}s: {err}"

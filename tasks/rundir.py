@@ -23,7 +23,7 @@ from infra.modelfactory import given_model_dir, load_tokenizer, load_trainable_m
 from infra.storage import RunStore, StorageRejected, open_run_store
 from tasks.envs import EnvironmentLoadError, load_environment
 from tasks.placement import release_gpu_memory, trainer_device
-from tasks.snapshots import latest_version, publish_snapshot, publish_snapshot_dir, snapshot_versions
+from tasks.snapshots import latest_version, move_latest_forward, publish_snapshot, publish_snapshot_dir, snapshot_versions
 
 CONFIG_KEY = "config.json"
 
@@ -31,7 +31,7 @@ CONFIG_KEY = "config.json"
 OPERATIONAL_FIELDS = (
     "run_id", "storage.root", "storage.endpoint_url", "storage.retry_seconds", "storage.keep_last_snapshots",
     "storage.keep_every_snapshot", "training.steps", "training.checkpoint_every", "training.micro_batch_size",
-    "training.device", "training.compute_dtype",
+    "training.device", "training.compute_dtype", "storage.key", "storage.secret", "storage.credentials_block",
     "generation.engines",
     "generation.prompts_per_chunk", "generation.hand_off_stragglers", "env.eval_prompts", "prefect", "dask", "engine",
 )  # fmt: skip
@@ -151,6 +151,8 @@ def initialize_run(config: RunConfig) -> RunStore:
                 publish_snapshot(store, model, tokenizer, 0, staging_dir=Path(staging), dtype=stored_dtype)
                 del model
                 release_gpu_memory(device)
+    elif latest_version(store) is None:  # v0 committed and LATEST never written: a failure between the two
+        move_latest_forward(store, 0)
     return store
 
 

@@ -119,10 +119,15 @@ def publish_snapshot_dir(store: RunStore, local_dir: Path, version: int, take_fi
     `take_files` only for a staging directory the caller deletes (see `commit_directory`)."""
     prefix = snapshot_prefix(version)
     commit_directory(store, local_dir, prefix, extra={"version": version}, take_files=take_files)
+    move_latest_forward(store, version)
+    return version
+
+
+def move_latest_forward(store: RunStore, version: int) -> None:
+    """Point LATEST at committed snapshot `version` unless it names a newer one already."""
     current = latest_version(store)
     if current is None or version > current:
         store.write_atomic(LATEST_KEY, json.dumps({"version": version}).encode())
-    return version
 
 
 def latest_version(store: RunStore) -> int | None:

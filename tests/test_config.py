@@ -107,6 +107,8 @@ BAD_CONFIGS = [
     ("seed: 1\n", ["lag.max_lag"], "expected section.field=value"),
     ("seed: 1\n", ["seed.x=1"], "seed is not a section"),
     ("training: {lr: 0}\n", [], "training.lr"),
+    ("engine:\n  sglang_args: ['--trust-remote-code']\n", [], "engine.sglang_args: --trust-remote-code would run Python files"),
+    ("engine:\n  sglang_args: ['--trust-remote']\n", [], "engine.sglang_args: --trust-remote-code would run Python files"),
     ("training: {device: gpu}\n", [], "training.device: device must be auto, cpu, cuda or cuda:N (N a GPU index), got 'gpu'"),
     ("training: {compute_dtype: float16}\n", [], "training.compute_dtype: Input should be 'auto', 'float32' or 'bfloat16'"),
     ("key: [unclosed\n", [], "not valid YAML"),

@@ -446,3 +446,28 @@ def test_model_path_is_needed_only_until_v0_exists(tmp_path: Path):
     assert snapshot_versions(store) == [0]
     with pytest.raises(ConfigError, match="is not an HF model directory"):
         initialize_run(load_config(TINY_CONFIG, [*overrides, "run_id=fresh"]))
+
+
+def test_a_v0_committed_without_its_latest_gets_it_when_the_run_starts_again(tmp_path: Path):
+    """A failure between v0's commit and LATEST's write left LATEST missing for good: every
+    later start saw v0 and skipped publishing, and generators had no snapshot to start on."""
+    from tasks.rundir import initialize_run
+    from tasks.snapshots import LATEST_KEY, latest_version
+
+    config = load_config(TINY_CONFIG, [f"storage.root=file://{tmp_path}", "run_id=nolatest", "training.warmup_steps=0"])
+    store = initialize_run(config)
+    store.delete(LATEST_KEY)
+    assert latest_version(initialize_run(config)) == 0 and snapshot_versions(store) == [0]
+
+
+def test_a_run_started_with_credentials_in_its_config_continues_with_them_from_elsewhere(tmp_path: Path):
+    """config.json records storage.key and .secret masked and a continued run reads them from
+    its environment or a Secret block: they are how it reaches the run, not what it trains."""
+    from tasks.rundir import check_recorded_config, initialize_run
+
+    first = load_config(TINY_CONFIG, [f"storage.root=file://{tmp_path}", "run_id=creds", "training.warmup_steps=0",
+                                      "storage.key=k", "storage.secret=s"])  # fmt: skip
+    store = initialize_run(first)
+    for reach in ([], ["storage.credentials_block=s3-creds"]):
+        check_recorded_config(store, load_config(TINY_CONFIG, [f"storage.root=file://{tmp_path}", "run_id=creds",
+                                                               "training.warmup_steps=0", *reach]))  # fmt: skip

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextvars
 import errno
 import gc
+import http.client
 import os
 import signal
 import subprocess
@@ -15,9 +16,11 @@ import weakref
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import aiohttp
 import fsspec
 import pytest
 from botocore.exceptions import ClientError, EndpointConnectionError, NoCredentialsError
+from botocore.parsers import ResponseParserError
 
 from configs.schema import StorageConfig
 from infra import credentials
@@ -226,6 +229,40 @@ def test_rejected_requests_fail_at_once_and_throttling_is_retried():
     with pytest.raises(StorageUnavailable):
         store._retry(fail, _translated("SlowDown", 503, errno.EBUSY))
     assert len(calls) > 1
+
+
+@pytest.mark.parametrize("cut_off", [
+    aiohttp.ClientPayloadError("Response payload is not completed"), ResponseParserError("garbled"),
+    http.client.IncompleteRead(b"partial"),
+], ids=["payload", "parser", "incomplete read"])  # fmt: skip
+def test_a_response_cut_off_mid_body_is_retried(cut_off):
+    """s3fs passes these through as they are, none an OSError: one truncated shard read failed
+    the trainer's admit at once."""
+    store = RunStore(fsspec.filesystem("memory"), "/retry-test", "memory://retry-test", 5.0)
+    answers = [cut_off]
+
+    def read():
+        if answers:
+            raise answers.pop()
+        return b"whole"
+
+    assert store._retry(read) == b"whole" and not answers
+
+
+def test_a_long_call_that_fails_late_is_still_retried():
+    """The retry budget runs from the first failure: a transfer longer than retry_seconds that
+    fails near its end was given up on at once."""
+    store = RunStore(fsspec.filesystem("memory"), "/retry-test", "memory://retry-test", 0.3)
+    attempts = []
+
+    def long_transfer():
+        attempts.append(time.monotonic())
+        if len(attempts) == 1:
+            time.sleep(0.5)
+            raise ConnectionResetError(errno.ECONNRESET, "reset by peer")
+        return b"done"
+
+    assert store._retry(long_transfer) == b"done" and len(attempts) == 2
 
 
 @pytest.mark.s3
