@@ -28,6 +28,7 @@ the commit itself single-winner even so.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -163,8 +164,9 @@ def fetch_directory(store: RunStore, prefix: str, local_dir: Path) -> dict[str, 
     linked = stored is not None and stored.stat().st_dev == local_dir.parent.stat().st_dev  # takes no space
     needed = 0 if linked else sum(entry["size"] for entry in manifest["files"].values())
     free = shutil.disk_usage(local_dir.parent).free
-    if needed > free:
-        raise ManifestError(f"{prefix}: needs {needed} bytes, {free} free at {local_dir.parent}")
+    if needed > free:  # the machine's trouble, not the snapshot's: not a ManifestError, which rejects the snapshot
+        raise OSError(errno.ENOSPC, f"no space for {prefix}: it needs {needed} bytes, {free} are free at {local_dir.parent} "
+                      "(a generator keeps its engines' snapshot there until the next one has loaded: leave room for two)")
     staging = local_dir.with_name(f".{local_dir.name}.{uuid.uuid4().hex}.partial")
     try:
         for name, entry in manifest["files"].items():

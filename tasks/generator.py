@@ -243,7 +243,9 @@ class Generator:
         changed) raises `SnapshotRejected` once and is skipped from then on. The engines keep
         the weights they have, which the lag bound still covers, until a newer snapshot
         verifies: the trainer publishes one every `publish_every` steps. Crashing here instead
-        would take the whole generation side down for one bad object."""
+        would take the whole generation side down for one bad object. A disk too full for the
+        fetch is this machine's trouble, not the snapshot's: its OSError (ENOSPC) is raised, and
+        the generation run fails naming the bytes it needs, rather than skip every snapshot."""
         newest = latest_version(self.store)
         if newest is None or newest == self.fleet.version or newest in self.rejected_snapshots:
             return None

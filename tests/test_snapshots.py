@@ -6,6 +6,7 @@ before anything else; a manifest cannot make a reader write outside its director
 
 from __future__ import annotations
 
+import errno
 import json
 import shutil
 import tempfile
@@ -165,8 +166,9 @@ def test_a_fetch_needs_free_space_only_where_it_copies(store, tmp_path, model, t
     if store.protocol == "file":
         assert verify_local_dir(load_snapshot(store, tmp_path / "cache", 0))["extra"] == {"version": 0}
     else:
-        with pytest.raises(ManifestError, match=r"needs \d+ bytes, 0 free"):
+        with pytest.raises(OSError, match=r"needs \d+ bytes, 0 are free") as caught:
             load_snapshot(store, tmp_path / "cache", 0)
+        assert caught.value.errno == errno.ENOSPC and not isinstance(caught.value, ManifestError), "the disk's, not the snapshot's"
         assert not any((tmp_path / "cache").iterdir())
 
 
