@@ -48,3 +48,16 @@ def test_a_guarded_engine_stops_when_asked_and_its_guard_with_it(tmp_path: Path)
     process.stop(grace=10)
     assert time.monotonic() - started < 5 and not process.is_running()
     _assert_exits(engine, 1)
+
+
+def test_stopping_an_engine_whose_leader_died_stops_what_its_group_left(tmp_path: Path):
+    """SGLang's launcher can die leaving its scheduler processes in its group, holding the GPU;
+    a restart on that GPU would not fit. The leader here starts a sleeper and exits at once."""
+    leaves_a_child = f"import subprocess, sys; subprocess.Popen([sys.executable, '-c', {SLEEPER!r}], stdout=sys.stdout)"
+    process = EngineProcess([sys.executable, "-c", leaves_a_child], "http://127.0.0.1:9", tmp_path / "engine.log").launch()
+    child = _pid_in(tmp_path / "engine.log")
+    process.process.wait(10)
+    assert not process.is_running()
+    process.stop()
+    _assert_exits(child, 5)
+    process.stop()  # again: nothing left to do, and nothing else signalled

@@ -70,9 +70,9 @@ class EngineFleet:
     def start(self, timeout: float = 300.0) -> EngineFleet:
         """Launch every engine, then wait for each: they boot side by side, so N engines take
         about as long as one (an SGLang server takes minutes to load and capture graphs)."""
-        for process in self.processes:
-            process.launch()
-        try:
+        try:  # a launch that fails stops those launched before it
+            for process in self.processes:
+                process.launch()
             for process in self.processes:
                 process.wait_healthy(timeout)
             self._portal = self._control.enter_context(start_blocking_portal())
@@ -97,6 +97,7 @@ class EngineFleet:
         for i, process in enumerate(self.processes):
             if not process.is_running():
                 log.warning("engine %s died (exit %s); restarting on v%d", process.url, process.process.returncode, self.version)
+                process.stop()  # what its group left running (SGLang's schedulers, on its GPUs)
                 self.processes[i] = self._process(self.ports[i]).start(timeout)
                 self.restarts += 1
                 restarted.append(process.url)

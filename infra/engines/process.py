@@ -39,6 +39,7 @@ class EngineProcess:
         """Run `command` under infra/engines/guard.py, which stops it if this process dies: for a
         server that does not watch its parent itself (SGLang)."""
         self.process: subprocess.Popen | None = None
+        self._group_stopped = False
 
     @property
     def pid(self) -> int | None:
@@ -56,6 +57,7 @@ class EngineProcess:
                 guarded(self.command) if self.guard else self.command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 env=os.environ | (self.env or {}), start_new_session=True,
             )  # fmt: skip
+        self._group_stopped = False
         return self
 
     def wait_healthy(self, timeout: float = 120.0) -> EngineProcess:
@@ -86,19 +88,23 @@ class EngineProcess:
 
     def stop(self, grace: float = 20.0) -> None:
         """SIGTERM the engine's process group, then SIGKILL what is left of it once the leader has
-        exited or after `grace` seconds."""
-        if not self.is_running():
+        exited or after `grace` seconds. Also for an engine whose leader died by itself: SGLang's
+        scheduler processes outlive it in its group, holding the GPU's memory, and a restart on
+        that GPU would not fit. Once only: a group that is gone may see its number reused."""
+        if self.process is None or self._group_stopped:
             return
-        os.killpg(self.process.pid, signal.SIGTERM)
-        try:
-            self.process.wait(grace)
-        except subprocess.TimeoutExpired:
-            pass
+        if self.is_running():
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(grace)
+            except subprocess.TimeoutExpired:
+                pass
         try:
             os.killpg(self.process.pid, signal.SIGKILL)  # the leader's children that outlived it (SGLang's)
         except ProcessLookupError:
             pass
         self.process.wait()
+        self._group_stopped = True
 
     def kill(self) -> None:
         """SIGKILL the engine at once (fault tests: a preempted engine)."""
