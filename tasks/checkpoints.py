@@ -125,6 +125,23 @@ def load_checkpoint(
     return CheckpointState(step=step, ledger=list(state["ledger"]), extra=dict(state["extra"]))
 
 
+class CheckpointDamaged(RuntimeError):
+    """The newest checkpoint failed verification; it has been set aside (`set_aside_checkpoint`)."""
+
+
+def set_aside_checkpoint(store: RunStore, step: int, reason: str) -> str:
+    """Uncommit the checkpoint of `step`, which failed verification: its manifest moves to
+    MANIFEST.damaged.json beside the reason, so that `latest_checkpoint_step` passes it over
+    and the run resumes from the one before when it starts again. Its files stay until a new
+    checkpoint of that step replaces them. Returns the prefix."""
+    prefix = checkpoint_prefix(step)
+    manifest = store.read_bytes(f"{prefix}/{MANIFEST_NAME}")
+    store.write_atomic(f"{prefix}/MANIFEST.damaged.json", manifest)
+    store.write_atomic(f"{prefix}/damaged.json", json.dumps({"reason": reason}).encode())
+    store.delete(f"{prefix}/{MANIFEST_NAME}")
+    return prefix
+
+
 def _encode(value: Any, tensors: dict[str, torch.Tensor], path: str) -> Any:
     """JSON form of `value`; each tensor goes into `tensors` under its path and is referenced."""
     if isinstance(value, torch.Tensor):

@@ -38,8 +38,9 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from configs.schema import RunConfig
+from infra.manifest import ManifestError
 from infra.storage import RunStore
-from tasks.checkpoints import latest_checkpoint_step, load_checkpoint, save_checkpoint
+from tasks.checkpoints import CheckpointDamaged, latest_checkpoint_step, load_checkpoint, save_checkpoint, set_aside_checkpoint
 from tasks.lag import (
     Candidate, TrainerState, forget_late, groups_in_flight, lag_of, late_shard_keys, publish_trainer_state, select_batch,
     waits_for_last_chance,
@@ -121,7 +122,17 @@ class Learner:
             return None
         self.trainer = Trainer(self.trainer.model, self.config.training, version=step, ref_model=self.ref_model,
                                sampling_temperature=self.config.generation.temperature)  # fmt: skip
-        state = load_checkpoint(self.store, self.trainer.model, self.trainer.optimizer, self.cache_dir / "checkpoints", step)
+        try:
+            state = load_checkpoint(self.store, self.trainer.model, self.trainer.optimizer, self.cache_dir / "checkpoints", step)
+        except ManifestError as err:
+            # Not resumed from an older one here: the pipeline withdrew the snapshots after this
+            # step only (tasks/lag.py `reopen_run`); started again, it withdraws those after the older one.
+            prefix = set_aside_checkpoint(self.store, step, str(err))
+            older = latest_checkpoint_step(self.store)
+            raise CheckpointDamaged(
+                f"the checkpoint at step {step} failed verification ({err}): set aside ({self.store.url_of(prefix)}); "
+                f"start the run again to resume from {f'step {older}' if older is not None else 'v0'}"
+            ) from err
         self.ledger = Ledger.from_json(state.extra["ledger"])
         for key in sorted(quarantined_keys(self.store) - set(self.ledger.disposed)):
             self._dispose(key, "quarantined", samples=1)  # moved after the checkpoint: never listed again

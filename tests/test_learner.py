@@ -1,11 +1,12 @@
 """The learner against a real run directory: a group reaches a batch once, however many copies
 of its shard storage holds (benchmarks/faults.py copies one under a second key); a restarted
 run's trainer meets nothing of what its dead predecessor published after their checkpoint; and a
-step whose pipeline gave the run up writes nothing."""
+step whose pipeline gave the run up writes nothing; a damaged newest checkpoint is set aside."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -292,3 +293,27 @@ def test_the_lag_histogram_counts_each_sample_at_its_own_version(tmp_path: Path)
     assert len(batch) == 2 and any(key.startswith("rollouts/v00000000/") for key in batch)
     record = learner.train_step(batch)
     assert record["lag_histogram"] == {"0": 6, "1": 2}
+
+
+def test_a_damaged_newest_checkpoint_is_set_aside_and_the_run_resumes_from_the_one_before(tmp_path: Path):
+    """A checkpoint damaged after its commit (file:// writes it without fsync; a power loss) made
+    every resume fail for good. The trainer now sets it aside and says so; the run, started
+    again, withdraws the snapshots after the older checkpoint and resumes from it."""
+    from tasks.checkpoints import CheckpointDamaged, checkpoint_prefix, checkpoint_steps
+
+    learner = make_learner(tmp_path)
+    publish_snapshot(learner.store, learner.trainer.model, learner.tokenizer, 0)
+    for step in (1, 2):
+        for slot in range(2 * step - 2, 2 * step):
+            write_group(learner, f"s{slot:08d}", seq=slot, version=step - 1)
+        learner.train_step(learner.admit_batch(poll_seconds=0.01))
+        learner._checkpoint()
+    assert checkpoint_steps(learner.store) == [1, 2]
+    damaged = learner.store.local_path(f"{checkpoint_prefix(2)}/model.safetensors")
+    damaged.write_bytes(damaged.read_bytes()[:-8])
+    with pytest.raises(CheckpointDamaged, match="the checkpoint at step 2 failed verification.*resume from step 1"):
+        restart_run(tmp_path)
+    assert checkpoint_steps(learner.store) == [1]
+    assert "reason" in json.loads(learner.store.read_bytes(f"{checkpoint_prefix(2)}/damaged.json"))
+    resumed = restart_run(tmp_path)
+    assert resumed.version == 1 and snapshot_versions(resumed.store) == [0, 1] and latest_version(resumed.store) == 1
