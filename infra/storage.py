@@ -22,18 +22,21 @@ Durability on file:// (fsync), and why the two primitives differ:
   copies) carry a CRC32 on every Parquet page and are validated (tasks/shards.py); a manifest must
   parse and lists the size and sha256 of every file it commits (infra/manifest.py); the run's
   config.json is parsed and compared on every start (tasks/rundir.py), so a damaged one is an
-  error, never a silently different config; and admission slot claims (tasks/lag.py) mean only
-  "this key exists". An fsync there would cost milliseconds on every shard (about 4 ms on a 66 KB
+  error, never a silently different config; and an admission slot claim (tasks/lag.py) that
+  does not parse is taken for nobody's, which the next pipeline hands to a generator of its own
+  (`adopt_orphaned_claims`). An fsync there would cost milliseconds on every shard (about 4 ms on a 66 KB
   shard, several times the rest of the write: benchmarks/storage.py) and protect nothing.
 - `write_atomic` DOES fsync the temporary before the rename. It replaces mutable pointers such as
   weights/LATEST and pins, which no checksum covers and which readers follow blindly: losing one
   to a power failure (an empty LATEST, a pin that silently vanished) would be worse than the cost
   of the rare write.
 
-Every call retries transient errors (connection refused, timeouts, throttling, 5xx) with
-exponential backoff for up to `retry_seconds`, so a storage outage of a few seconds stalls a run
-instead of killing it. Errors that no retry can fix fail at once: missing keys, permissions and
-bad credentials (FileNotFoundError, PermissionError as fsspec raises them), and requests the
+Every call retries transient errors (connection refused, timeouts, throttling, 5xx, a response
+cut off) with exponential backoff for up to `retry_seconds` from its first failure (so a call
+takes at most its failed attempts plus that long), so a storage outage of a few seconds stalls a
+run instead of killing it. Errors that no retry can fix fail at once: missing keys, permissions and
+bad credentials (FileNotFoundError, PermissionError as fsspec raises them), a full or read-only
+local disk (ENOSPC, EDQUOT, EROFS), and requests the
 server rejects as invalid (an invalid bucket name: OSError EINVAL, or any other 4xx answer except
 408 Request Timeout and 429 Too Many Requests) raise `StorageRejected` naming the store's URL.
 infra/s3.py holds that reading of S3's errors, and the s3fs filesystem the store talks through.
@@ -51,14 +54,13 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from http.client import HTTPException
+from http.client import IncompleteRead
 from pathlib import Path
 from typing import TypeVar
 
 import aiohttp
 import fsspec
 from botocore.exceptions import BotoCoreError, ClientError
-from botocore.parsers import ResponseParserError
 
 from configs.schema import StorageConfig
 from infra.s3 import is_precondition_failure, rejection_reason, s3_filesystem
@@ -66,10 +68,15 @@ from infra.s3 import is_precondition_failure, rejection_reason, s3_filesystem
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-TRANSIENT_ERRORS = (OSError, BotoCoreError, ClientError, TimeoutError, aiohttp.ClientError, ResponseParserError, HTTPException)
+TRANSIENT_ERRORS = (OSError, BotoCoreError, ClientError, TimeoutError, aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, IncompleteRead)
 """Errors a store call retries. s3fs turns most of what goes wrong in a request into OSError, but
-a response cut off mid-body comes through as aiohttp's ClientPayloadError, a garbled one as
-botocore's ResponseParserError, and neither is an OSError."""
+a response cut off mid-body comes through as aiohttp's ClientPayloadError (or http.client's
+IncompleteRead), which is not one. Not every aiohttp error: a proxy's 407 or a redirect loop is
+the configuration's, and a retry would only hide it for retry_seconds."""
+
+LOCAL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS})
+"""This machine's disk is full or read-only: an OSError no retry cures, raised at once (a full
+cache disk was reported, after retry_seconds, as storage unavailable)."""
 
 PERMANENT_ERRORS = (
     FileNotFoundError,
@@ -354,7 +361,7 @@ class RunStore:
             except PERMANENT_ERRORS:
                 raise
             except TRANSIENT_ERRORS as err:
-                if isinstance(err, OSError) and is_precondition_failure(err):
+                if isinstance(err, OSError) and (is_precondition_failure(err) or err.errno in LOCAL_ERRNOS):
                     raise
                 if (reason := rejection_reason(err)) is not None:
                     code = err.errno if isinstance(err, OSError) and err.errno else errno.EINVAL

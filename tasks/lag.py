@@ -309,12 +309,15 @@ def adopt_orphaned_claims(store: RunStore, producers: Sequence[str], groups_per_
     claiming producer's id generates them. A continued run with fewer generators (a retrain
     after `tandem scale` or autoscale added some, a config with fewer prefect.generators) would
     never generate the missing ones' claims, and their capacity would stay held: past max_lag
-    batches of them, the trainer waits for ever."""
+    batches of them, the trainer waits for ever. A producer whose in-flight record is still
+    fresh (`live_producers`: a generation run of an earlier pipeline that has not yet seen the
+    lease change hands) keeps its claims: handed over, they would be generated twice."""
     if not producers:
         raise ValueError("no producer to hand the claims to")
     registry = SlotClaims(store, "pipeline", groups_per_step)
     owners = registry.claims(exclude=set(committed_slots(store)))
-    orphaned = sorted(slot for slot, owner in owners.items() if owner not in set(producers))
+    keep = set(producers) | live_producers(store)  # a generator of an earlier pipeline still at work keeps its own
+    orphaned = sorted(slot for slot, owner in owners.items() if owner not in keep)
     given: dict[str, list[int]] = {producer: [] for producer in producers}
     for turn, slot in enumerate(orphaned):
         heir = producers[turn % len(producers)]
@@ -360,7 +363,16 @@ class SlotClaims:
         Reads each claim not in `exclude` (one GET each): pass the slots known to be committed,
         so that only the few that are not get read."""
         slots = [s for batch_dir in self._batch_dirs() for s in self._slots_in(batch_dir) if s not in exclude]
-        return {s: json.loads(self.store.read_bytes(slot_key(s, self.groups_per_step)))["producer"] for s in slots}
+        return {s: self._claimer(s) for s in slots}
+
+    def _claimer(self, slot: int) -> str:
+        """Who claimed `slot`; "" for a claim that does not parse (put_if_absent does not fsync:
+        a power loss may leave it empty), which is then nobody's, for the next pipeline to hand
+        over, rather than an error that stops every generator's start."""
+        try:
+            return str(json.loads(self.store.read_bytes(slot_key(slot, self.groups_per_step)))["producer"])
+        except (ValueError, KeyError, TypeError):
+            return ""
 
     def claimed_by_me(self, exclude: set[int] | frozenset[int] = frozenset()) -> list[int]:
         """Every slot this producer has claimed, over the run's history, except `exclude`."""

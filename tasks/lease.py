@@ -56,7 +56,8 @@ WATCH_SECONDS = LEASE_SECONDS / 6
 STALE_SECONDS = 2 * LEASE_SECONDS
 """How long a child waits for a renewal before it takes its pipeline for dead: longer than a
 claimant waits (a successor's claim is seen sooner, as another claim), so that a renewer held up
-by a slow store (each attempt retries for up to storage.retry_seconds) stops nothing."""
+by a slow store (each write retries for up to storage.retry_seconds from its first failure)
+stops nothing."""
 
 
 class RunInUse(RuntimeError):

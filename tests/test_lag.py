@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from configs.schema import StorageConfig
 from infra.storage import open_run_store
 from tasks.lag import (
-    Candidate, SlotClaims, adopt_orphaned_claims, admission_capacity, claim_share, groups_in_flight, lag_of, live_producers, publish_in_flight,
+    Candidate, SlotClaims, adopt_orphaned_claims, admission_capacity, slot_key, claim_share, groups_in_flight, lag_of, live_producers, publish_in_flight,
     recheck_after_restart, select_batch, IN_FLIGHT_TTL_SECONDS, waits_for_last_chance, withdraw_in_flight,
 )  # fmt: skip
 from tasks.shards import committed_slots, quarantine_shard, shard_key, write_shard
@@ -236,6 +236,20 @@ def test_claims_of_producers_that_do_not_start_again_go_to_those_that_do(tmp_pat
     assert adopt_orphaned_claims(store2, ["gen0", "gen1"], 4) == {"gen0": [2], "gen1": []}, "in turn, to those that start"
     with pytest.raises(ValueError, match="no producer"):
         adopt_orphaned_claims(store2, [], 4)
+
+
+def test_a_claim_that_does_not_parse_is_handed_over_and_a_live_generators_claims_are_not(tmp_path):
+    """A claim left empty by a power loss (put_if_absent does not fsync) stopped every generator's
+    start; it is now nobody's, and handed over. A generator of an earlier pipeline still at work
+    (its in-flight record is fresh) keeps its claims: handed over, they would be played twice."""
+    store = open_run_store(StorageConfig(root=f"file://{tmp_path}"), "run")
+    for name in ("gen1", "gen2"):
+        SlotClaims(store, name, 4).claim(capacity=100)
+    store.write_atomic(slot_key(2, 4), b"")
+    publish_in_flight(store, "gen2", {0: 1})
+    assert SlotClaims(store, "gen0", 4).claimed_by_me() == []
+    assert adopt_orphaned_claims(store, ["gen0"], 4) == {"gen0": [0, 2]}
+    assert SlotClaims(store, "gen2", 4).claimed_by_me() == [1]
 
 
 def test_retire_request_is_per_producer_and_can_be_withdrawn(file_store):

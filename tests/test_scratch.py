@@ -14,6 +14,11 @@ def test_a_scratch_directory_is_removed_after_success_and_kept_after_a_failure(t
         (ok / "weights").mkdir()
     assert not ok.exists()
     with pytest.raises(RuntimeError), scratch_dir("tandem-failed-") as failed:
-        (failed / "engine.log").write_text("why it failed")
+        (failed / "logs").mkdir()
+        (failed / "logs" / "engine.log").write_text("why it failed")
+        (failed / "weights" / "v00000003").mkdir(parents=True)
+        (failed / "weights" / "v00000003" / "model.safetensors").write_bytes(b"gigabytes")
         raise RuntimeError("boom")
-    assert (failed / "engine.log").read_text() == "why it failed"
+    assert (failed / "logs" / "engine.log").read_text() == "why it failed"
+    assert not (failed / "weights" / "v00000003" / "model.safetensors").exists(), (
+        "the weights go: a restart on this machine needs their space")

@@ -20,7 +20,6 @@ import aiohttp
 import fsspec
 import pytest
 from botocore.exceptions import ClientError, EndpointConnectionError, NoCredentialsError
-from botocore.parsers import ResponseParserError
 
 from configs.schema import StorageConfig
 from infra import credentials
@@ -232,9 +231,9 @@ def test_rejected_requests_fail_at_once_and_throttling_is_retried():
 
 
 @pytest.mark.parametrize("cut_off", [
-    aiohttp.ClientPayloadError("Response payload is not completed"), ResponseParserError("garbled"),
+    aiohttp.ClientPayloadError("Response payload is not completed"), aiohttp.ServerDisconnectedError(),
     http.client.IncompleteRead(b"partial"),
-], ids=["payload", "parser", "incomplete read"])  # fmt: skip
+], ids=["payload", "disconnected", "incomplete read"])  # fmt: skip
 def test_a_response_cut_off_mid_body_is_retried(cut_off):
     """s3fs passes these through as they are, none an OSError: one truncated shard read failed
     the trainer's admit at once."""
@@ -247,6 +246,20 @@ def test_a_response_cut_off_mid_body_is_retried(cut_off):
         return b"whole"
 
     assert store._retry(read) == b"whole" and not answers
+
+
+def test_a_full_or_read_only_local_disk_fails_at_once():
+    store = RunStore(fsspec.filesystem("memory"), "/retry-test", "memory://retry-test", 5.0)
+    for code in (errno.ENOSPC, errno.EROFS):
+        calls = []
+
+        def write():
+            calls.append(1)
+            raise OSError(code, os.strerror(code))
+
+        with pytest.raises(OSError) as caught:
+            store._retry(write)
+        assert caught.value.errno == code and not isinstance(caught.value, StorageUnavailable) and len(calls) == 1
 
 
 def test_a_long_call_that_fails_late_is_still_retried():
