@@ -261,7 +261,7 @@ def scale(
     url = prefect_server_url()
     from prefect.variables import Variable
 
-    from flows.supervisor import running_pipeline, scale_request, scale_variable  # the flows (seconds): after the checks
+    from flows.scaling import running_pipeline, scale_request, scale_variable  # Prefect's client (seconds): after the checks
 
     with prefect_server_reached(url):
         if (pipeline_run := running_pipeline(run_id)) is None:

@@ -38,7 +38,8 @@ from configs.schema import RunConfig
 from flows.evaluation import evaluation
 from flows.generation import generation
 from flows.progress import print_summary, quiet_task_run_logs, watch_run
-from flows.supervisor import Supervisor, clear_scale_request, initial_generation_runs
+from flows.scaling import clear_scale_request, initial_generation_runs
+from flows.supervisor import Supervisor
 from flows.training import training
 from flows.ui import publish_summary
 from infra.prefect_server import stop_temporary_server

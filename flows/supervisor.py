@@ -9,7 +9,7 @@ the pipeline run, and then watches them every `prefect.watch_seconds` until trai
   `prefect.generation_restarts` times over the whole run; one cancelled while the run may have
   fewer is taken as one fewer (`Supervisor.take_cancelled`);
 - the number of generation runs follows the Prefect variable `tandem scale` sets
-  (`scale_variable`) and, with `prefect.autoscale`, the run's own measurements
+  (flows/scaling.py) and, with `prefect.autoscale`, the run's own measurements
   (tasks/autoscale.py): a new run joins by reading LATEST and the admission state from storage,
   and a removed one is asked to retire (tasks/lag.py `request_retire`), which lets it commit
   every slot it claimed before it exits;
@@ -36,21 +36,11 @@ generators and failed the run.
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import re
 import time
 from collections import Counter
 from uuid import UUID
 
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import (
-    FlowFilter,
-    FlowFilterName,
-    FlowRunFilter,
-    FlowRunFilterState,
-    FlowRunFilterStateType,
-    FlowRunFilterTags,
-)
 from prefect.client.schemas.objects import FlowRun, StateType
 from prefect.deployments import run_deployment
 from prefect.exceptions import TerminationSignal
@@ -58,11 +48,11 @@ from prefect.logging import get_run_logger
 from prefect.states import Cancelling
 from prefect.variables import Variable
 
-from configs import DEPLOYED_CONFIG, load_config
 from configs.fields import MAX_GENERATION_RUNS
 from configs.schema import RunConfig
+from flows.scaling import clear_scale_request, initial_generation_runs, requested_count, scale_variable
 from flows.ui import api_unavailable
-from infra.deployments import RUN_TAG, UNRESPONSIVE_MESSAGE
+from infra.deployments import UNRESPONSIVE_MESSAGE
 from infra.storage import open_run_store
 from tasks.autoscale import autoscale_target, generator_wait_fraction, trainer_idle_fraction
 from tasks.lag import SlotClaims, live_producers, request_retire, request_stop, stop_reason, withdraw_retire
@@ -112,61 +102,6 @@ def _ended(state) -> str:
 
 def _share(value: float | None) -> str:
     return "unknown" if value is None else f"{value:.0%}"
-
-
-def scale_variable(run_id: str) -> str:
-    """Name of the Prefect variable that asks run `run_id` for a number of generation runs: the
-    run id folded to what a variable name allows, and a digest of it, so that `a.b`, `a-b` and
-    `A-b` each get their own."""
-    digest = hashlib.sha256(run_id.encode()).hexdigest()[:8]
-    return re.sub(r"[^a-z0-9_-]", "-", f"tandem-generators-{run_id}".lower()) + f"-{digest}"
-
-
-def initial_generation_runs(config: RunConfig) -> int:
-    """How many generation runs a pipeline starts with (gen0, gen1, ...): prefect.generators,
-    within prefect.autoscale's bounds if set."""
-    policy = config.prefect.autoscale
-    return min(max(config.prefect.generators, policy.min), policy.max) if policy else config.prefect.generators
-
-
-def _requested_count(request) -> int | None:
-    """The count a `tandem scale` request asks for: `scale_request`'s form, or a bare number as
-    older versions of the CLI wrote it (and `prefect variable set` writes, as text)."""
-    if isinstance(request, dict):
-        request = request.get("generators")
-    if isinstance(request, str) and request.strip().isdigit():
-        request = int(request)
-    return request if isinstance(request, int) and not isinstance(request, bool) else None
-
-
-def scale_request(generators: int) -> dict:
-    """The variable's value for a request of `generators` runs. It carries the time it was made,
-    so that a request for the count of an earlier one is still news to the parent: autoscale
-    may have moved the run away from it since."""
-    return {"generators": generators, "requested_at": time.time()}
-
-
-def clear_scale_request(run_id: str) -> None:
-    """Drop the run's `tandem scale` request: one lasts for the pipeline run it was made during."""
-    Variable.unset(scale_variable(run_id))
-
-
-def running_pipeline(run_id: str) -> FlowRun | None:
-    """The deployed pipeline run of run `run_id` that the server has Running, if there is one:
-    what a `tandem scale` request reaches (it is cleared when a pipeline of the run starts and
-    ends). Runs of tandem's deployments carry the tag RUN_TAG; a local `tandem run` reads no
-    request, and another project's flow named pipeline is not tandem's."""
-    running = FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.RUNNING])),
-                            tags=FlowRunFilterTags(all_=[RUN_TAG]))  # fmt: skip
-    with get_client(sync_client=True) as client:
-        runs = client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["pipeline"])), flow_run_filter=running)
-    default = load_config(DEPLOYED_CONFIG).run_id
-    for run in runs:
-        given = run.parameters.get("config")
-        named = run.parameters.get("run_id") or (given.get("run_id", RunConfig().run_id) if isinstance(given, dict) else default)
-        if named == run_id:
-            return run
-    return None
 
 
 class Supervisor:
@@ -387,7 +322,7 @@ class Supervisor:
         """`prefect.generators` at first; then each new count `tandem scale` asks for; and with
         `prefect.autoscale`, one more or one fewer when the run's measurements say so."""
         requested = Variable.get(scale_variable(self.config.run_id), default=None)
-        if (count := _requested_count(requested)) is not None and requested != self.last_request:
+        if (count := requested_count(requested)) is not None and requested != self.last_request:
             self.last_request = requested
             low, high = self.generator_bounds()
             bounded = min(max(count, low), high)

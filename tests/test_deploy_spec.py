@@ -11,7 +11,8 @@ from prefect.flows import load_flow_from_entrypoint
 from prefect.utilities.callables import parameter_schema
 from prefect.utilities.schema_tools import ValidationError, validate
 
-from flows.supervisor import API_OUTAGE_SECONDS, scale_variable
+from flows.scaling import scale_variable
+from flows.supervisor import API_OUTAGE_SECONDS
 from configs.schema import RunConfig
 from flows.ui import artifact_key, due_for_evaluation
 from infra.deployments import HEARTBEAT_SECONDS, RUN_TAG, UNRESPONSIVE_SECONDS, work_pools_of

@@ -24,7 +24,7 @@ from prefect.events import emit_event
 from prefect.events.worker import EventsWorker
 from prefect.states import Cancelled, Running
 
-from flows.supervisor import scale_variable
+from flows.scaling import scale_variable
 from flows.ui import artifact_key
 from benchmarks.prefect_restart import restart_mid_run
 from infra.deployed_harness import Deployment, bin_path, flow_run_id_from

@@ -16,6 +16,7 @@ from prefect.states import Cancelled, Failed, Running, Scheduled
 
 import flows.supervisor as supervisor
 from configs.schema import RunConfig
+from flows.scaling import scale_request
 from flows.supervisor import Supervisor
 from tasks.lag import SlotClaims, request_retire, retire_requested, stop_reason
 
@@ -185,7 +186,7 @@ def test_a_scale_request_repeated_after_autoscale_moved_the_run_is_taken_again(f
     assert parent.wanted_generators() == 2, "the same request, seen already"
     variable["value"] = {"generators": 3, "requested_at": 1060.0}
     assert parent.wanted_generators() == 3, "a new request for the same count"
-    variable["value"] = supervisor.scale_request(9)
+    variable["value"] = scale_request(9)
     with caplog.at_level(logging.INFO, logger="test"):
         assert parent.wanted_generators() == 4
     assert "generation runs: 3 -> 4 (tandem scale asked for 9, bounded to 1-4 by prefect.autoscale)" in caplog.text

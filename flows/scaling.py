@@ -1,0 +1,86 @@
+"""How many generation runs a deployed run has: how many a pipeline starts with
+(`initial_generation_runs`), and what `tandem scale` asks for mid-run, a Prefect variable per run
+(`scale_variable`, holding a `scale_request`) that the parent (flows/supervisor.py) reads at every
+watch and the pipeline clears as it takes the run and as it ends (`clear_scale_request`).
+`running_pipeline` finds the run a request reaches.
+
+A variable rather than a message to the parent: the CLI needs nothing from the parent's process,
+and a request set before the parent reads it (or from the Prefect UI) is not lost.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import time
+
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import (
+    FlowFilter,
+    FlowFilterName,
+    FlowRunFilter,
+    FlowRunFilterState,
+    FlowRunFilterStateType,
+    FlowRunFilterTags,
+)
+from prefect.client.schemas.objects import FlowRun, StateType
+from prefect.variables import Variable
+
+from configs import DEPLOYED_CONFIG, load_config
+from configs.schema import RunConfig
+from infra.deployments import RUN_TAG
+
+
+def scale_variable(run_id: str) -> str:
+    """Name of the Prefect variable that asks run `run_id` for a number of generation runs: the
+    run id folded to what a variable name allows, and a digest of it, so that `a.b`, `a-b` and
+    `A-b` each get their own."""
+    digest = hashlib.sha256(run_id.encode()).hexdigest()[:8]
+    return re.sub(r"[^a-z0-9_-]", "-", f"tandem-generators-{run_id}".lower()) + f"-{digest}"
+
+
+def initial_generation_runs(config: RunConfig) -> int:
+    """How many generation runs a pipeline starts with (gen0, gen1, ...): prefect.generators,
+    within prefect.autoscale's bounds if set."""
+    policy = config.prefect.autoscale
+    return min(max(config.prefect.generators, policy.min), policy.max) if policy else config.prefect.generators
+
+
+def requested_count(request) -> int | None:
+    """The count a `tandem scale` request asks for: `scale_request`'s form, or a bare number as
+    older versions of the CLI wrote it (and `prefect variable set` writes, as text)."""
+    if isinstance(request, dict):
+        request = request.get("generators")
+    if isinstance(request, str) and request.strip().isdigit():
+        request = int(request)
+    return request if isinstance(request, int) and not isinstance(request, bool) else None
+
+
+def scale_request(generators: int) -> dict:
+    """The variable's value for a request of `generators` runs. It carries the time it was made,
+    so that a request for the count of an earlier one is still news to the parent: autoscale
+    may have moved the run away from it since."""
+    return {"generators": generators, "requested_at": time.time()}
+
+
+def clear_scale_request(run_id: str) -> None:
+    """Drop the run's `tandem scale` request: one lasts for the pipeline run it was made during."""
+    Variable.unset(scale_variable(run_id))
+
+
+def running_pipeline(run_id: str) -> FlowRun | None:
+    """The deployed pipeline run of run `run_id` that the server has Running, if there is one:
+    what a `tandem scale` request reaches (it is cleared when a pipeline of the run starts and
+    ends). Runs of tandem's deployments carry the tag RUN_TAG; a local `tandem run` reads no
+    request, and another project's flow named pipeline is not tandem's."""
+    running = FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.RUNNING])),
+                            tags=FlowRunFilterTags(all_=[RUN_TAG]))  # fmt: skip
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["pipeline"])), flow_run_filter=running)
+    default = load_config(DEPLOYED_CONFIG).run_id
+    for run in runs:
+        given = run.parameters.get("config")
+        named = run.parameters.get("run_id") or (given.get("run_id", RunConfig().run_id) if isinstance(given, dict) else default)
+        if named == run_id:
+            return run
+    return None
