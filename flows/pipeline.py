@@ -25,6 +25,7 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 
 from prefect import flow, task
 from prefect.futures import PrefectFuture
@@ -158,8 +159,9 @@ def _train_and_report(config: RunConfig, store: RunStore, url: str, claim: str) 
         except BaseException as err:
             interrupted = isinstance(err, KeyboardInterrupt)
             if interrupted:
-                exit_unless_stopped_within_grace([trainer, *generators])
-            stop_children(config, "the pipeline was interrupted" if interrupted else f"the pipeline failed: {err!r}")
+                exit_unless_stopped_within_grace([trainer, *generators], lambda: stop_children(config, "the pipeline was interrupted"))
+            else:
+                stop_children(config, f"the pipeline failed: {err!r}")
             raise
         trainer.result()
         for generator in generators:
@@ -207,13 +209,14 @@ def stop_children(config: RunConfig, reason: str) -> None:
     request_stop(open_run_store(config.storage, config.run_id), reason)
 
 
-def exit_unless_stopped_within_grace(children: list[PrefectFuture]) -> None:
-    """Exit the process unless every child has stopped within the grace, or at once on a second
-    Ctrl-C while one still runs. Once they have stopped, nothing happens: a caller that catches
-    the interrupt (a notebook, a test) keeps its process, and Ctrl-C its usual meaning."""
+def exit_unless_stopped_within_grace(children: list[PrefectFuture], stop: Callable[[], None]) -> None:
+    """Ask the children to `stop`, then exit the process unless every child has stopped within
+    the grace, or at once on a second Ctrl-C while one still runs. Once they have stopped, nothing
+    happens: a caller that catches the interrupt (a notebook, a test) keeps its process, and
+    Ctrl-C its usual meaning. The second Ctrl-C's handler is in place before the stop request and
+    before the message that invites it: one that came between them raised KeyboardInterrupt
+    there instead, and the process went through Python's shutdown, which waits for the children."""
     threads = [child.wrapped_future for child in children]
-    print(f"interrupted: waiting up to {INTERRUPT_GRACE_SECONDS:.0f} s for the trainer and generators to stop (Ctrl-C "
-          "again to exit now); start the same run again to resume it", file=sys.stderr)  # fmt: skip
 
     def exit_unless_stopped() -> None:
         if concurrent.futures.wait(threads, timeout=INTERRUPT_GRACE_SECONDS).not_done:
@@ -231,6 +234,9 @@ def exit_unless_stopped_within_grace(children: list[PrefectFuture]) -> None:
                 usual(signum, frame)
 
         signal.signal(signal.SIGINT, on_interrupt)
+    stop()
+    print(f"interrupted: waiting up to {INTERRUPT_GRACE_SECONDS:.0f} s for the trainer and generators to stop (Ctrl-C "
+          "again to exit now); start the same run again to resume it", file=sys.stderr)  # fmt: skip
 
 
 def _exit_now(why: str) -> None:
