@@ -11,8 +11,9 @@ running run finds slots to claim.
 Between chunks the flow restarts dead engines on the current snapshot, loads newer snapshots
 (pause, then load -> continue while the chunks the new version admits start: their requests
 wait in the paused engines, and their start overlaps the load instead of following it) and
-publishes how many groups it has in flight on each policy version, which the trainer reads so
-that it trains the oldest of them before they go stale. Each trainer state it reads, it checks
+publishes how many groups it has in flight on each policy version (kept fresh by a thread while
+a load or restart holds the loop up), which the trainer reads so that it trains the oldest of
+them before they go stale. Each trainer state it reads, it checks
 against the groups committed since the last one, and reports those past the lag bound, which
 the trainer may have stopped looking for (tasks/lag.py "Late groups").
 It stops when the trainer's published state says done, or when the pipeline that started it no
@@ -27,6 +28,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -143,7 +145,7 @@ def _generate(config: RunConfig, producer: str, cache: Path, pipeline: PipelineW
     metrics = MetricsLog(store, f"generator-{producer}")
     totals = {"groups": 0, "samples": 0, "engine_restarts": 0, "weight_updates": 0}
     fleet = EngineFleet(config.engine, config.generation.engines, model_dir, version, cache / "logs")
-    with dask_task_runner(config) as dask, fleet:
+    with dask_task_runner(config) as dask, fleet, InFlightReport(store, producer) as reported:
         metrics.log("engines_started", version=version, engines=fleet.describe(), pid=os.getpid())
         generator = Generator(config, producer, fleet, cache)
         _recover_records(metrics, generator, config.generation.samples_per_prompt)
@@ -152,7 +154,6 @@ def _generate(config: RunConfig, producer: str, cache: Path, pipeline: PipelineW
         retiring = _RetireCheck(store, producer)
         producers = _ProducerCount(store, producer)
         load = _LoadReport(metrics)
-        reported = _InFlightReport(store, producer)
         # Committed groups whose first trainer state read since their commit is still to come
         # (tasks/lag.py "Late groups"); at the start, an earlier life's recent ones.
         unchecked = recheck_after_restart(generator.committed_at_start.values(), read_trainer_state(store).version, config.lag.max_lag)
@@ -203,7 +204,7 @@ def _generate(config: RunConfig, producer: str, cache: Path, pipeline: PipelineW
             unchecked += _record(metrics, totals, chunk.future.result(), fleet.version)
         report_late(store, unchecked, read_trainer_state(store).version, config.lag.max_lag)
         if pipeline.successor is None:  # else the record is the successor's generator of this name
-            withdraw_in_flight(store, producer)
+            reported.withdraw()
     totals.pop("keys", None)
     totals["retired"] = retiring.requested
     if pipeline.reason is not None:
@@ -223,21 +224,53 @@ class _Chunk:
     groups: int
 
 
-class _InFlightReport:
+class InFlightReport:
     """Publishes this generator's groups in flight by policy version (tasks/lag.py
-    `publish_in_flight`) when they change, and at least every third of the record's lifetime,
-    which is how the trainer tells a live generator's record from a dead one's."""
+    `publish_in_flight`) when they change, and, from a thread of its own, again every third of
+    the record's lifetime, which is how the trainer tells a live generator's record from a dead
+    one's. The thread is why: the flow's loop can be held up for longer than the lifetime while
+    its groups are still in flight (a large snapshot's fetch, a real model's weight load or an
+    engine's restart take minutes), and a stale record would have the trainer stop waiting for
+    them and a restarted pipeline hand this generator's claims to another."""
 
-    def __init__(self, store, producer: str):
-        self.store, self.producer, self.published, self.published_at = store, producer, None, 0.0
+    def __init__(self, store, producer: str, refresh_seconds: float = IN_FLIGHT_TTL_SECONDS / 3):
+        self.store, self.producer, self.refresh_seconds = store, producer, refresh_seconds
+        self.published: Counter | None = None
+        self._lock = threading.Lock()  # a refresh never overwrites a newer count with an older one
+        self._stop = threading.Event()
+        self._refresher = threading.Thread(target=self._refresh, name=f"tandem-in-flight-{producer}", daemon=True)
+
+    def __enter__(self) -> InFlightReport:
+        self._refresher.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._refresher.join()
 
     def maybe_publish(self, chunks: list[_Chunk]) -> None:
         groups = Counter()
         for chunk in chunks:
             groups[chunk.version] += chunk.groups
-        if groups != self.published or time.monotonic() - self.published_at > IN_FLIGHT_TTL_SECONDS / 3:
-            publish_in_flight(self.store, self.producer, groups)
-            self.published, self.published_at = groups, time.monotonic()
+        with self._lock:
+            if groups != self.published:
+                publish_in_flight(self.store, self.producer, groups)
+                self.published = groups
+
+    def withdraw(self) -> None:
+        """Stop refreshing and remove the record: this generator has stopped."""
+        self.__exit__()
+        withdraw_in_flight(self.store, self.producer)
+
+    def _refresh(self) -> None:
+        while not self._stop.wait(self.refresh_seconds):
+            with self._lock:
+                if self.published is None:
+                    continue
+                try:
+                    publish_in_flight(self.store, self.producer, self.published)
+                except Exception as err:  # storage trouble: the next refresh, well within the lifetime, tries again
+                    print(f"{self.producer}: could not refresh its in-flight record: {err!r}")
 
 
 class _LoadReport:

@@ -7,6 +7,7 @@ selection against generators and a trainer whose speeds hypothesis draws, tick b
 from __future__ import annotations
 
 import itertools
+import json
 import time
 from collections import Counter
 
@@ -15,10 +16,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from configs.schema import StorageConfig
+from flows.generation import InFlightReport, _Chunk
 from infra.storage import open_run_store
 from tasks.lag import (
     Candidate, SlotClaims, adopt_orphaned_claims, admission_capacity, slot_key, claim_share, groups_in_flight, lag_of, live_producers, publish_in_flight,
-    recheck_after_restart, select_batch, IN_FLIGHT_TTL_SECONDS, waits_for_last_chance, withdraw_in_flight,
+    recheck_after_restart, select_batch, IN_FLIGHT_PREFIX, IN_FLIGHT_TTL_SECONDS, waits_for_last_chance, withdraw_in_flight,
 )  # fmt: skip
 from tasks.shards import committed_slots, quarantine_shard, shard_key, write_shard
 from tests.test_shards import make_rollouts
@@ -135,6 +137,23 @@ def test_in_flight_records_add_up_over_live_generators_and_ignore_dead_ones(file
     later = time.time() + IN_FLIGHT_TTL_SECONDS + 1
     monkeypatch.setattr(time, "time", lambda: later)
     assert groups_in_flight(file_store) == {}, "a record older than its lifetime is a dead generator's"
+
+
+def test_a_generators_in_flight_record_stays_fresh_while_its_loop_is_held_up(file_store):
+    """The record is refreshed by a thread: a weight load or engine restart longer than the
+    record's lifetime must not make a generator with groups in flight look dead."""
+    def published_at() -> float:
+        return json.loads(file_store.read_bytes(f"{IN_FLIGHT_PREFIX}/gen0.json"))["at"]
+
+    with InFlightReport(file_store, "gen0", refresh_seconds=0.05) as report:
+        report.maybe_publish([_Chunk(future=None, version=3, groups=2)])
+        first = published_at()
+        time.sleep(0.3)  # the loop held up: no maybe_publish
+        assert published_at() > first, "refreshed without the loop"
+        assert groups_in_flight(file_store) == {3: 2}
+        report.withdraw()
+    time.sleep(0.2)
+    assert not file_store.exists(f"{IN_FLIGHT_PREFIX}/gen0.json"), "no refresh brings a withdrawn record back"
 
 
 def test_live_producers_are_the_generators_with_a_fresh_in_flight_record(file_store, monkeypatch):
