@@ -56,6 +56,8 @@ class GroupSpec:
     producer: str
     loaded_version: int
     engine_urls: tuple[str, ...]
+    engine_versions: tuple[int, ...]
+    """The version each engine served when the group was handed out (`_committed_shard`)."""
     run_id: str
     storage: StorageConfig
     env_entrypoint: str
@@ -124,9 +126,16 @@ def generate_group(spec: GroupSpec) -> GroupResult | None:
 
 
 def _committed_shard(store, spec: GroupSpec) -> str | None:
-    """The key of this producer's shard for this slot if a previous attempt committed it."""
+    """The key of this producer's shard for this slot if a previous attempt committed it.
+
+    A shard's key carries its rollouts' own policy version, the engines' report: from
+    `loaded_version` up, or the older version of an engine that failed a load (it keeps serving
+    its own weights), so those are looked at too. Searching from `loaded_version` alone missed
+    that commit, and a retry on an engine that had loaded since committed the slot a second
+    time, under another key."""
     newest = latest_version(store) or 0
-    for version in range(spec.loaded_version, newest + 1):
+    behind = {v for v in spec.engine_versions if v < spec.loaded_version}
+    for version in sorted(behind) + list(range(spec.loaded_version, newest + 1)):
         key = shard_key(version, spec.producer, spec.slot)
         if store.exists(key):
             return key
@@ -310,7 +319,8 @@ class Generator:
                     "stop_token_ids": self.model_eos}  # fmt: skip
         return GroupSpec(
             slot=slot, prompt=self.prompts[slot % len(self.prompts)], producer=self.producer,
-            loaded_version=self.loaded_version, engine_urls=tuple(self.fleet.urls), run_id=cfg.run_id,
+            loaded_version=self.loaded_version, engine_urls=tuple(self.fleet.urls),
+            engine_versions=tuple(self.fleet.engine_versions), run_id=cfg.run_id,
             storage=cfg.storage, env_entrypoint=cfg.env.entrypoint, env_kwargs=dict(cfg.env.kwargs),
             max_turns=cfg.env.max_turns, samples=gen.samples_per_prompt, sampling=sampling,
             context_length=cfg.model.max_position_embeddings, api_key=self.fleet.api_key,

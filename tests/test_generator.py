@@ -125,6 +125,23 @@ def test_work_started_during_a_load_waits_in_the_paused_engines_and_runs_on_the_
     assert gen.loaded_version == 1 and gen.fleet.version == 1
 
 
+def test_a_retried_group_finds_its_commit_from_an_engine_that_failed_a_load(generator, tmp_path):
+    """The engine refused v1 and played the group on v0, which the shard's key says; the retry,
+    on the engine now loaded, must find that commit rather than commit the slot again as v1."""
+    gen, store = generator
+    _publish_v1(gen, store)
+    v0_weights = gen.fleet.model_dir
+    assert not gen.fleet.update_weights(tmp_path / "missing", 1)[0].ok
+    assert gen.loaded_version == 1 and gen.fleet.engine_versions == [0]
+    spec = gen.spec(0)
+    first = generate_group(spec)
+    assert first is not None and first.policy_version == 0 and first.created
+    assert gen.fleet.update_weights(v0_weights, 1)[0].ok and gen.fleet.engine_versions == [1]
+    retried = generate_group(spec)
+    assert retried is not None and retried.key == first.key and not retried.created
+    assert list_shards(store) == [first.key]
+
+
 def test_the_load_runs_while_the_work_that_needs_it_starts(generator):
     """A start slower than the load (a Prefect task run can be) must not add to it."""
     gen, store = generator

@@ -50,6 +50,8 @@ class EngineFleet:
         base = engine.base_port or free_port_block(count=count)
         self.ports = [base + i for i in range(count)]
         self.processes: list[EngineProcess] = [self._process(port) for port in self.ports]
+        self.engine_versions = [version] * count
+        """The version each engine serves: behind `version` after it failed that load."""
         self.restarts = 0
         self._control = ExitStack()
         self._portal: BlockingPortal | None = None
@@ -99,6 +101,7 @@ class EngineFleet:
                 log.warning("engine %s died (exit %s); restarting on v%d", process.url, process.process.returncode, self.version)
                 process.stop()  # what its group left running (SGLang's schedulers, on its GPUs)
                 self.processes[i] = self._process(self.ports[i]).start(timeout)
+                self.engine_versions[i] = self.version
                 self.restarts += 1
                 restarted.append(process.url)
         return restarted
@@ -117,6 +120,9 @@ class EngineFleet:
         that answers; one that does not (hung, or dead until `restart_dead`) is reported failed."""
         results = self._run(lambda client: client.update_weights(str(model_dir), str(version), timeout))
         self.model_dir, self.version = model_dir, version
+        for i, result in enumerate(results):
+            if result.ok:
+                self.engine_versions[i] = version
         return results
 
     def abort_all(self) -> None:
