@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import re
 import tempfile
 from collections.abc import Iterable
@@ -52,6 +53,7 @@ if TYPE_CHECKING:  # transformers' model classes import torch, which the rollout
     import torch
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+log = logging.getLogger(__name__)
 WEIGHTS = "weights"
 LATEST_KEY = f"{WEIGHTS}/LATEST"
 PINS = f"{WEIGHTS}/pins"
@@ -211,12 +213,21 @@ def apply_retention(
 
     Kept: the newest `keep_last` committed versions, every multiple of `keep_every` (so v0),
     LATEST, the `pinned` argument and every version a pin file names. Uncommitted leftovers of a
-    killed publish are left alone: the retried publish of that version clears them."""
+    killed publish are left alone: the retried publish of that version clears them.
+
+    A pin file that does not parse (edited by hand, written by a foreign tool) keeps every
+    snapshot, with a warning naming it: its consumer may need any of them, and retention is
+    housekeeping, which must not fail the trainer's step."""
     if keep_last < 1 or keep_every < 1:
         raise ValueError("keep_last and keep_every must be >= 1")
+    try:
+        pins = pinned_versions(store)
+    except ValueError as err:
+        log.warning("snapshot retention skipped, every snapshot kept until the pin is fixed or removed: %s", err)
+        return []
     committed = snapshot_versions(store)
     latest = latest_version(store)
-    keep = set(committed[-keep_last:]) | set(pinned) | pinned_versions(store)
+    keep = set(committed[-keep_last:]) | set(pinned) | pins
     keep |= {v for v in committed if v % keep_every == 0}
     if latest is not None:
         keep.add(latest)

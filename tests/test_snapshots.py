@@ -34,6 +34,7 @@ from infra.storage import RunStore, open_run_store
 from tasks.generator import snapshot_dir_for_engines
 from tests.conftest import s3_requests
 from tasks.snapshots import (
+    PINS,
     SnapshotMissing,
     apply_retention,
     latest_version,
@@ -297,6 +298,19 @@ def test_retention_keeps_last_every_latest_and_pinned(store, tmp_path, monkeypat
 
     unpin_snapshot(store, "gen0")
     assert apply_retention(store, keep_last=3, keep_every=5) == [2, 7]
+
+
+def test_a_pin_file_that_does_not_parse_keeps_every_snapshot_and_is_named(store, tmp_path, caplog) -> None:
+    """Retention runs inside the trainer's step: a damaged pin must not fail it, nor let it delete
+    what the pin's unknown consumer may be reading."""
+    for version in range(4):
+        publish_snapshot_dir(store, fake_snapshot(tmp_path, version), version)
+    store.write_atomic(f"{PINS}/gen0.json", b"{not json")
+    assert apply_retention(store, keep_last=1, keep_every=100) == []
+    assert snapshot_versions(store) == [0, 1, 2, 3]
+    assert f"{PINS}/gen0.json" in caplog.text
+    store.delete(f"{PINS}/gen0.json")
+    assert apply_retention(store, keep_last=1, keep_every=100) == [1, 2]
 
 
 def test_retention_never_deletes_latest(store, tmp_path) -> None:
