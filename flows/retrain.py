@@ -8,8 +8,8 @@ Two ways to retrain run `run_id` (its config is read back from its run directory
   warm-start), for when the old run's optimizer state or config should not carry over.
 
 Either way it runs the pipeline flow as a subflow (deployed or local, as the run's config says),
-then compares the held-out score with the run's PROMOTED snapshot (tasks/promotion.py) and moves
-PROMOTED only if the new score is higher. The `retrain` deployment in prefect.yaml carries a cron
+then compares the held-out score with the run's PROMOTED snapshot (tasks/promotion.py), or with
+none, the best score the run has recorded, and moves PROMOTED only if the new score is higher. The `retrain` deployment in prefect.yaml carries a cron
 schedule that is off until the user turns it on.
 """
 
@@ -26,9 +26,11 @@ from pydantic import Field
 from configs import DEPLOYED_CONFIG, load_config
 from configs.fields import RunId
 from configs.schema import RunConfig, StorageConfig
-from flows.pipeline import pipeline, recorded_score
+from flows.pipeline import pipeline
 from infra.storage import open_run_store
 from tasks.checkpoints import latest_checkpoint_step
+from tasks.evaluation import evaluation_setup
+from tasks.metrics import read_metrics
 from tasks.promotion import promote_if_better, read_promoted
 from tasks.rundir import CONFIG_KEY, RunConflict, check_recorded_config, load_run_config
 from tasks.snapshots import latest_version, load_snapshot, snapshot_versions
@@ -68,8 +70,7 @@ def retrain(
                 summary = pipeline(config)
     store = open_run_store(config.storage, config.run_id)
     version = latest_version(store)
-    baseline = _baseline(config, store, summary, continued=new_run_id is None)
-    moved = promote_if_better(source_store, store, version, summary["eval_after"], baseline)
+    moved = promote_if_better(source_store, store, version, summary["eval_after"], _bar(config, store, source_store, version, summary))
     promoted = read_promoted(source_store)
     verdict = "promoted" if moved else "not promoted"
     print(f"v{version} of {config.run_id} scored {summary['eval_after']:.3f}: {verdict}; PROMOTED is "
@@ -77,13 +78,22 @@ def retrain(
     return {"run_id": config.run_id, "version": version, "score": summary["eval_after"], "promoted": moved}
 
 
-def _baseline(config: RunConfig, store, summary: dict, continued: bool) -> float:
-    """The score a retrain must beat with no PROMOTED: where it started. For a successor that is
-    its v0 (the source's snapshot), also when an earlier attempt trained it part of the way and
-    this one's opening evaluation scored where that one stopped."""
-    if not continued and (start := recorded_score(config, store, 0)) is not None:
-        return start["score"]
-    return summary["eval_before"]
+def _bar(config: RunConfig, store, source_store, version: int, summary: dict) -> float:
+    """The score a retrain must beat with nothing promoted: the best that its run, or the run it
+    started from, has recorded under the same evaluation setup, other than the candidate's own.
+
+    Not merely where this retrain started (its opening score): a retrain that made the policy
+    worse would lower the bar for the next, which could then promote a model worse than one the
+    run had. For a successor the records include its v0's score, the source's snapshot."""
+    setup = evaluation_setup(config)
+    scores = [
+        record["score"]
+        for records_of in {store.url: store, source_store.url: source_store}.values()
+        for record in read_metrics(records_of, "evaluation")
+        if record.get("event") == "evaluation" and record.get("setup") == setup
+        and not (records_of.url == store.url and record.get("version") == version)
+    ]  # fmt: skip
+    return max(scores, default=summary["eval_before"])
 
 
 def run_location(storage_root: str | None, deployed: StorageConfig) -> tuple[str, list[str]]:

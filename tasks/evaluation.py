@@ -8,6 +8,8 @@ included. The score is the mean reward, and `solved` the fraction of episodes wi
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 from pathlib import Path
 
 from configs.schema import RunConfig
@@ -16,6 +18,21 @@ from infra.engines.client import EngineClient
 from infra.modelfactory import load_tokenizer
 from tasks.envs import load_environment
 from tasks.rollout import model_eos_ids, run_episode
+
+
+def evaluation_setup(config: RunConfig) -> str:
+    """A digest of what a score depends on besides the weights: the held-out prompts (seed, how
+    many), the environment and how long its episodes may run. Each evaluation record carries it,
+    and a recorded score is reused, or compared with another, only under the same setup: a
+    `tandem eval --set env.kwargs...` of a run otherwise left a score that the run's next start
+    took for its own, and that retraining compared against."""
+    env, generation = config.env, config.generation
+    fields = {
+        "seed": config.seed, "eval_prompts": env.eval_prompts, "entrypoint": env.entrypoint, "kwargs": env.kwargs,
+        "max_turns": env.max_turns, "max_new_tokens": generation.max_new_tokens,
+        "context_length": config.model.max_position_embeddings,
+    }  # fmt: skip
+    return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 async def evaluate(client: EngineClient, model_dir: Path, config: RunConfig, version: int, concurrency: int = 64) -> dict:
@@ -46,4 +63,5 @@ async def evaluate(client: EngineClient, model_dir: Path, config: RunConfig, ver
         "score": sum(rewards) / len(rewards),
         "solved": sum(r >= 1.0 for r in rewards) / len(rewards),
         "prompts": len(rewards),
+        "setup": evaluation_setup(config),
     }
