@@ -26,7 +26,7 @@ from pydantic import Field
 from configs import DEPLOYED_CONFIG, load_config
 from configs.fields import RunId
 from configs.schema import RunConfig, StorageConfig
-from flows.pipeline import pipeline
+from flows.pipeline import pipeline, score_newest_snapshot
 from infra.storage import open_run_store
 from tasks.checkpoints import latest_checkpoint_step
 from tasks.evaluation import evaluation_setup
@@ -60,8 +60,14 @@ def retrain(
             summary = pipeline(config)
         elif open_run_store(source.storage, new_run_id).exists(CONFIG_KEY):
             config = _unfinished_successor(source, new_run_id, steps, f"{root}/{new_run_id}", reach)
-            print(f"continuing run {new_run_id}, which an earlier retrain started from a snapshot of {run_id}, to step {steps}")
-            summary = pipeline(config)
+            successor = open_run_store(config.storage, new_run_id)
+            if (latest_checkpoint_step(successor) or 0) >= steps:
+                print(f"run {new_run_id}, which an earlier retrain started from a snapshot of {run_id}, has trained its "
+                      f"{steps} steps already; that retrain stopped before comparing it, which this one does now")  # fmt: skip
+                summary = {"eval_before": None, "eval_after": score_newest_snapshot(config, successor)["score"]}
+            else:
+                print(f"continuing run {new_run_id}, which an earlier retrain started from a snapshot of {run_id}, to step {steps}")
+                summary = pipeline(config)
         else:
             with tempfile.TemporaryDirectory(prefix="tandem-retrain-") as cache:
                 model_dir = load_snapshot(source_store, Path(cache) / "weights", latest_version(source_store))
@@ -93,7 +99,7 @@ def _bar(config: RunConfig, store, source_store, version: int, summary: dict) ->
         if record.get("event") == "evaluation" and record.get("setup") == setup
         and not (records_of.url == store.url and record.get("version") == version)
     ]  # fmt: skip
-    return max(scores, default=summary["eval_before"])
+    return max(scores, default=summary["eval_before"] if summary["eval_before"] is not None else -float("inf"))
 
 
 def run_location(storage_root: str | None, deployed: StorageConfig) -> tuple[str, list[str]]:
@@ -127,8 +133,8 @@ def _successor(source: RunConfig, new_run_id: str, steps: int, model_path: str) 
 
 def _unfinished_successor(source: RunConfig, new_run_id: str, steps: int, url: str, reach: list[str]) -> RunConfig:
     """The config to go on with successor run `new_run_id`, which an earlier retrain of `source`
-    started (and which failed, or was stopped); RunConflict if it is another run, has trained its
-    `steps` already, or never made its initial snapshot.
+    started (and which failed, or was stopped: maybe after it trained its `steps`, before its
+    comparison with PROMOTED); RunConflict if it is another run or never made its initial snapshot.
 
     Started afresh, the retry's model.path (a temporary copy of the source's snapshot, like the
     earlier attempt's, since deleted) differed from the recorded one, and the run refused to
@@ -140,8 +146,4 @@ def _unfinished_successor(source: RunConfig, new_run_id: str, steps: int, url: s
     if 0 not in snapshot_versions(store):
         raise RunConflict(f"run {new_run_id} at {store.url} was started by an earlier retrain that stopped before its "
                           "initial snapshot: delete that run directory, or give another new_run_id")  # fmt: skip
-    done = latest_checkpoint_step(store) or 0
-    if done >= steps:
-        raise RunConflict(f"run {new_run_id} has trained its {done} steps already (an earlier retrain started it from "
-                          f"{source.run_id}): give another new_run_id for a new run, or retrain {new_run_id} itself")  # fmt: skip
     return config
