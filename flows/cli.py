@@ -202,7 +202,7 @@ def evaluate_run(
     overrides: Overrides = None,
 ) -> None:
     """Score one snapshot of a run on its held-out prompts (greedy), and record it in metrics."""
-    from infra.storage import open_run_store
+    from infra.storage import StorageRejected, StorageUnavailable, open_run_store
     from tasks.rundir import load_run_config
     from tasks.snapshots import SnapshotMissing, committed_version
 
@@ -212,13 +212,17 @@ def evaluate_run(
         resolved = load_run_config(run, overrides or ())
     except ConfigError as err:
         fail(str(err))
+    except (StorageUnavailable, StorageRejected) as err:
+        fail(f"{run}: {err}", code=1)
     if not resolved.env.eval_prompts:
         fail(f"run {resolved.run_id} has no held-out prompts (env.eval_prompts is 0): add --set env.eval_prompts=N")
     require_engine_backend(resolved)
     try:  # before the flow starts, which would print the error as a traceback
         version = committed_version(open_run_store(resolved.storage, resolved.run_id), version)
-    except SnapshotMissing as err:
+    except (SnapshotMissing, ValueError) as err:  # ValueError: a LATEST that does not parse, named
         fail(str(err))
+    except (StorageUnavailable, StorageRejected) as err:
+        fail(f"{run}: {err}", code=1)
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     from flows.evaluation import evaluation
 
