@@ -129,7 +129,10 @@ def policy_loss(
     loss = pg_loss
     kl = torch.zeros(())
     if ref_logprobs is not None:
-        delta = ref_logprobs - logprobs
+        # Zeroed off the model tokens and clamped before exp: a prompt or tool position where the
+        # two drift apart (freely: it is never trained) made exp() inf there, and its gradient,
+        # 0 * inf, NaN, which skipped every step from then on.
+        delta = torch.where(model, ref_logprobs - logprobs, 0.0).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
         kl = mean(delta.exp() - delta - 1)
         if kl_coef > 0:
             loss = loss + kl_coef * kl

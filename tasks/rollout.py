@@ -58,8 +58,10 @@ def model_eos_ids(model_dir: Path) -> list[int]:
 
 
 def prompt_token_ids(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
-    """<bos> + the prompt's tokens (the tokenizer adds no special tokens by itself)."""
-    return [tokenizer.bos_token_id, *tokenizer.encode(text, add_special_tokens=False)]
+    """<bos> + the prompt's tokens (the tokenizer adds no special tokens by itself); just the
+    prompt's tokens for a tokenizer without a BOS token (Qwen2 and Qwen3 have none)."""
+    bos = [] if tokenizer.bos_token_id is None else [tokenizer.bos_token_id]
+    return [*bos, *tokenizer.encode(text, add_special_tokens=False)]
 
 
 async def run_episode(

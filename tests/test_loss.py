@@ -125,6 +125,20 @@ def test_env_tokens_and_extreme_ratios_stay_finite_and_out_of_the_gradient() -> 
     assert metrics["ratio_max"] == pytest.approx(math.exp(20), rel=1e-5)  # log ratio clamped at 20
 
 
+def test_the_kl_term_stays_finite_where_the_reference_drifted_far() -> None:
+    """A tool-output position (never trained, so free to drift) 100 nats from the reference made
+    exp() inf there and the gradient NaN; a model token that far is clamped like the ratio."""
+    logprobs = torch.tensor([[-100.0, -1.0, -1.0]], requires_grad=True)
+    ref = torch.tensor([[0.0, -1.0, -101.0]])
+    loss, metrics = policy_loss(
+        logprobs, logprobs.detach(), torch.tensor([1.0]), torch.tensor([[0, 1, 1]]),
+        clip_eps=0.2, is_cap=3.0, ref_logprobs=ref, kl_coef=0.1,
+    )
+    loss.backward()
+    assert math.isfinite(loss.item()) and math.isfinite(metrics["kl"])
+    assert torch.isfinite(logprobs.grad).all() and logprobs.grad[0, 0] == 0.0
+
+
 def test_a_batch_without_model_tokens_has_zero_loss() -> None:
     loss, metrics = policy_loss(
         torch.tensor([[-1.0]]), torch.tensor([[0.0]]), torch.tensor([1.0]), torch.tensor([[0]]),

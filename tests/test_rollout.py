@@ -166,3 +166,16 @@ def test_evaluation_ends_turns_on_the_models_end_tokens(engine, tmp_path: Path):
 
     assert asyncio.run(score(every_token_ends)) == 1.0
     assert asyncio.run(score(model)) < 1.0, "the control: the engine's own end tokens do not end answers this early"
+
+
+def test_a_prompt_starts_with_bos_only_where_the_tokenizer_has_one():
+    """Qwen2 and Qwen3 tokenizers have no BOS token: a None at the head of every prompt failed
+    the warm-start's batch and every /generate."""
+    from infra.modelfactory import build_tokenizer
+    from tasks.rollout import prompt_token_ids
+
+    tokenizer = build_tokenizer()
+    with_bos = prompt_token_ids(tokenizer, "1+2")
+    assert with_bos[0] == tokenizer.bos_token_id and len(with_bos) > 1
+    tokenizer.bos_token = None
+    assert prompt_token_ids(tokenizer, "1+2") == with_bos[1:]
