@@ -88,3 +88,27 @@ def test_the_sync_after_one_that_timed_out_on_a_slow_engine_moves_and_continues_
         results = fleet.update_weights(models[2], 2, timeout=15)
         assert [(r.ok, r.weight_version) for r in results] == [(True, "2")], results
         assert engine_state(fleet.urls[0]) == ("2", False)
+
+
+def test_an_engine_gets_its_own_api_key_or_none_never_the_shells(tmp_path: Path, monkeypatch):
+    """A shell set up for `tandem engine serve` has TANDEM_ENGINE_API_KEY: a fleet's engine that
+    inherited it refused every request of its fleet, which sends none, with 401."""
+    import sys
+
+    from infra.engines.process import API_KEY_ENV, EngineProcess
+
+    monkeypatch.setenv(API_KEY_ENV, "from-the-shell")
+    show = [sys.executable, "-c", f"import os; print('key:', os.environ.get({API_KEY_ENV!r}))"]
+    for env, expected in ((None, "key: None"), ({API_KEY_ENV: "its-own"}, "key: its-own")):
+        log = tmp_path / f"{expected}.log"
+        process = EngineProcess(show, "http://127.0.0.1:1", log, env=env).launch()
+        process.process.wait(30)
+        assert log.read_text().strip() == expected
+
+
+@pytest.mark.parametrize(("host", "url"), [("0.0.0.0", "http://127.0.0.1:7"), ("", "http://127.0.0.1:7"), ("::", "http://[::1]:7"),
+                                           ("::1", "http://[::1]:7"), ("10.0.0.2", "http://10.0.0.2:7")])  # fmt: skip
+def test_a_cpu_engine_bound_to_every_interface_is_reached_on_loopback(host: str, url: str, tmp_path: Path):
+    from infra.engines.process import cpu_engine_process
+
+    assert cpu_engine_process(tmp_path, 7, tmp_path / "e.log", host=host).url == url

@@ -164,19 +164,23 @@ def test_api_key_is_masked_in_repr_and_logged_command(tmp_path: Path, monkeypatc
 
     seen = {}
 
-    def fake_start(self, timeout):  # stands in for the real process: checks the secret file SGLang would read
+    def fake_launch(self):  # stands in for the real process: checks the secret file SGLang would read
         seen["mode"] = stat.S_IMODE(os.stat(self.config_file).st_mode)
         seen["config"] = yaml.safe_load(self.config_file.read_text())
         seen["log_mode"] = stat.S_IMODE(os.stat(self.log_path).st_mode)
         return self
 
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "sglang" else None)
-    monkeypatch.setattr(EngineProcess, "start", fake_start)
+    monkeypatch.setattr(EngineProcess, "launch", fake_launch)
+    monkeypatch.setattr(EngineProcess, "wait_healthy", lambda self, timeout=None: seen.setdefault("waited", timeout) and self)
     with caplog.at_level(logging.DEBUG):
-        proc.start()
-    assert seen == {"mode": 0o600, "config": {"api-key": SECRET}, "log_mode": 0o600}
+        proc.launch()  # as EngineFleet.start does: every engine launched, then each waited for
+        assert proc.config_file.exists(), "SGLang reads the file after the launch"
+        proc.wait_healthy()
+    assert seen == {"mode": 0o600, "config": {"api-key": SECRET}, "log_mode": 0o600, "waited": None}
     assert not proc.config_file.exists(), "the secret file outlives the start"
     assert "--config" in caplog.text and SECRET not in caplog.text
+    assert proc.start_timeout == 900.0, "a first SGLang start compiles and captures graphs"
 
 
 def test_a_failed_start_shows_the_log_tail_with_the_key_masked(tmp_path: Path, monkeypatch):

@@ -69,9 +69,10 @@ class EngineFleet:
         """URL and process id of each engine: what an operator (or a fault test) needs to find it."""
         return [{"url": p.url, "pid": p.pid} for p in self.processes]
 
-    def start(self, timeout: float = 300.0) -> EngineFleet:
-        """Launch every engine, then wait for each: they boot side by side, so N engines take
-        about as long as one (an SGLang server takes minutes to load and capture graphs)."""
+    def start(self, timeout: float | None = None) -> EngineFleet:
+        """Launch every engine, then wait for each (within `timeout` s, default its backend's
+        own: minutes for SGLang, which loads and captures graphs): they boot side by side, so N
+        engines take about as long as one."""
         try:  # a launch that fails stops those launched before it
             for process in self.processes:
                 process.launch()
@@ -93,7 +94,7 @@ class EngineFleet:
             for process in self.processes:
                 process.stop()
 
-    def restart_dead(self, timeout: float = 300.0) -> list[str]:
+    def restart_dead(self, timeout: float | None = None) -> list[str]:
         """Start again every engine whose process has exited, on the fleet's current weights."""
         restarted = []
         for i, process in enumerate(self.processes):

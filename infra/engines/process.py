@@ -27,8 +27,15 @@ class EngineStartError(RuntimeError):
     """The engine process exited or did not become healthy in time."""
 
 
+API_KEY_ENV = "TANDEM_ENGINE_API_KEY"
+"""Where `tandem engine serve` reads its API key from (the command line would show it to `ps`)."""
+
+
 class EngineProcess:
     """One engine server process listening on `url`."""
+
+    start_timeout = 120.0
+    """How long a start waits for /health by default."""
 
     def __init__(self, command: list[str], url: str, log_path: Path, env: dict[str, str] | None = None, guard: bool = False):
         self.command = command
@@ -45,25 +52,31 @@ class EngineProcess:
     def pid(self) -> int | None:
         return self.process.pid if self.process else None
 
-    def start(self, timeout: float = 120.0) -> EngineProcess:
-        """Start the process and return once GET /health answers 200."""
+    def start(self, timeout: float | None = None) -> EngineProcess:
+        """Start the process and return once GET /health answers 200 (within `timeout` s,
+        default `start_timeout`)."""
         return self.launch().wait_healthy(timeout)
 
     def launch(self) -> EngineProcess:
         """Start the process without waiting for it (several engines boot side by side)."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        # The key is this engine's own or none: one inherited from a shell set up for
+        # `tandem engine serve` would have the engine refuse its fleet's every request with 401.
+        env = {name: value for name, value in os.environ.items() if name != API_KEY_ENV} | (self.env or {})
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
                 guarded(self.command) if self.guard else self.command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env=os.environ | (self.env or {}), start_new_session=True,
+                env=env, start_new_session=True,
             )  # fmt: skip
         self._group_stopped = False
         return self
 
-    def wait_healthy(self, timeout: float = 120.0) -> EngineProcess:
-        """Return once GET /health answers 200; stop the process and raise if it never does,
-        or if the wait itself is interrupted (Ctrl-C, a test's timeout): a server that nobody
-        holds would otherwise outlive its caller, with a GPU's memory taken."""
+    def wait_healthy(self, timeout: float | None = None) -> EngineProcess:
+        """Return once GET /health answers 200 (within `timeout` s, default `start_timeout`);
+        stop the process and raise if it never does, or if the wait itself is interrupted
+        (Ctrl-C, a test's timeout): a server that nobody holds would otherwise outlive its
+        caller, with a GPU's memory taken."""
+        timeout = self.start_timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
         try:
             while time.monotonic() < deadline:
@@ -140,5 +153,15 @@ def cpu_engine_process(
     ]  # fmt: skip
     if sim_latency is not None:
         command += ["--sim-latency", sim_latency.model_dump_json()]
-    env = {"TANDEM_ENGINE_API_KEY": api_key} if api_key else None
-    return EngineProcess(command, f"http://{host}:{port}", log_path, env=env)
+    env = {API_KEY_ENV: api_key} if api_key else None
+    return EngineProcess(command, f"http://{connect_host(host)}:{port}", log_path, env=env)
+
+
+def connect_host(host: str) -> str:
+    """Where a client on this machine reaches a server bound to `host`: loopback for every
+    interface ("" or 0.0.0.0, ::), an IPv6 address in brackets."""
+    if host in ("", "0.0.0.0"):
+        return "127.0.0.1"
+    if host == "::":
+        return "[::1]"
+    return f"[{host}]" if ":" in host else host

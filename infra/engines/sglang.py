@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 from configs.schema import EngineConfig
-from infra.engines.process import EngineProcess, EngineStartError
+from infra.engines.process import EngineProcess, EngineStartError, connect_host
 
 log = logging.getLogger(__name__)
 MASK = "***"
@@ -115,14 +115,6 @@ def require_sglang() -> None:
         raise EngineStartError(f"engine.backend 'sglang' needs SGLang installed: {INSTALL_HINT}")
 
 
-def _connect_host(host: str) -> str:
-    if host in ("", "0.0.0.0"):
-        return "127.0.0.1"
-    if host == "::":
-        return "[::1]"
-    return f"[{host}]" if ":" in host else host
-
-
 class SGLangEngineProcess(EngineProcess):
     """One `sglang.launch_server` process; `url` is where clients reach it."""
 
@@ -136,10 +128,15 @@ class SGLangEngineProcess(EngineProcess):
         command = sglang_server_args(
             engine, model_path, port, weight_version, seed, dtype=dtype, config_file=self.config_file, base_gpu_id=base_gpu_id
         )
-        super().__init__(command, f"http://{_connect_host(engine.host)}:{port}", log_path, env=SGLANG_ENV, guard=True)
+        super().__init__(command, f"http://{connect_host(engine.host)}:{port}", log_path, env=SGLANG_ENV, guard=True)
 
-    def start(self, timeout: float = 900.0) -> SGLangEngineProcess:
-        """Start SGLang and return once GET /health answers 200 (model load can take minutes)."""
+    start_timeout = 900.0
+    """A first start loads the model, compiles kernels and captures CUDA graphs: minutes."""
+
+    def launch(self) -> SGLangEngineProcess:
+        """Start SGLang without waiting for it (a fleet launches every engine, then waits for
+        each): its log private to this user and the key's config file written first, here and
+        not in `start`, which a fleet does not call."""
         require_sglang()
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         os.close(os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600))
@@ -148,11 +145,22 @@ class SGLangEngineProcess(EngineProcess):
             write_secret_config(self.config_file, self._engine)
         log.info("starting SGLang at %s: %s", self.url, shlex.join(masked(self.command)))
         try:
-            super().start(timeout)  # its errors quote log_tail(), which masks the key
+            return super().launch()
+        except BaseException:
+            self._remove_secret_config()
+            raise
+
+    def wait_healthy(self, timeout: float | None = None) -> SGLangEngineProcess:
+        """Wait for /health, then remove the key's config file: SGLang has read it once it
+        answers, and so has a server that failed (its errors quote log_tail(), which masks the key)."""
+        try:
+            return super().wait_healthy(timeout)
         finally:
-            if self.config_file is not None:
-                self.config_file.unlink(missing_ok=True)
-        return self
+            self._remove_secret_config()
+
+    def _remove_secret_config(self) -> None:
+        if self.config_file is not None:
+            self.config_file.unlink(missing_ok=True)
 
     def log_tail(self, lines: int = 30) -> str:
         return self._mask(super().log_tail(lines))
