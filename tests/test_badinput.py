@@ -711,6 +711,41 @@ def test_engine_api(case: Case, engine: TestClient):
     assert_engine_still_serves(engine)
 
 
+def test_a_failed_engine_step_ends_its_requests_with_an_error_and_the_engine_serves_on(model_dir: Path):
+    """A prefill that raised (out of memory, weights that sample NaN) lost its requests, whose
+    /generate calls waited for the client's timeout; one whose decode step raised was answered
+    200 with a half-made sample and no finish reason."""
+    from infra.engines.api import SamplingParams
+    from infra.engines.scheduler import GenerationJob
+
+    cpu = CpuEngine(model_dir, max_batch_size=4, weight_version="0")
+    real_forward, calls = cpu._forward, []
+
+    def failing(fail_on: int):
+        def forward(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == fail_on:
+                raise RuntimeError("out of memory (a stand-in)")
+            return real_forward(*args, **kwargs)
+
+        return forward
+
+    try:
+        cpu._forward = failing(fail_on=1)  # the prefill
+        job = GenerationJob(rid="r0", input_ids=PROMPT, params=SamplingParams(max_new_tokens=4, ignore_eos=True))
+        assert "out of memory" in str(cpu.submit(job).exception(timeout=30))
+        calls.clear()
+        cpu._forward = failing(fail_on=2)  # the first decode step
+        with TestClient(create_app(cpu), raise_server_exceptions=False) as client:
+            body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}}
+            failed = client.post("/generate", json=body)
+            assert failed.status_code == 500 and "out of memory" in failed.json()["error"]["message"]
+            served = client.post("/generate", json=body)
+            assert served.status_code == 200 and served.json()["meta_info"]["completion_tokens"] == 4
+    finally:
+        cpu.shutdown()
+
+
 # -- shards ----------------------------------------------------------------------------------------
 
 

@@ -246,16 +246,20 @@ class CpuEngine(ScheduledEngine):
         room = self.max_batch_size - (len(self.batch) if self.batch else 0)
         if room <= 0 or not self.backlog:
             return
-        newcomers, self.backlog = self.backlog[:room], self.backlog[room:]
+        newcomers = self.backlog[:room]
         sequences = [s.job.input_ids + s.output_ids for s in newcomers]  # a retracted one has output
         width = max(len(sequence) for sequence in sequences)
         ids = torch.tensor([[0] * (width - len(sequence)) + sequence for sequence in sequences])
         mask = torch.tensor([[0] * (width - len(sequence)) + [1] * len(sequence) for sequence in sequences])
         cache = DynamicCache()
+        # Still in the backlog while their prefill runs: if it raises (out of memory, weights
+        # that sample NaN), `_fail_running` ends them too, where they were lost before and
+        # their /generate calls waited for the client's timeout.
         logits = self._forward(ids, mask, cache, logits_to_keep=1)
         self.prefill_sizes[len(newcomers)] += 1
         admitted = RunningBatch(newcomers, cache, mask)
         self._sample_and_record(admitted, logits)
+        self.backlog = self.backlog[room:]
         if self.batch is None:
             self.batch = admitted
         else:

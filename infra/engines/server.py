@@ -150,7 +150,10 @@ def create_app(engine: ScheduledEngine, api_key: str | None = None, max_body_byt
             client_gone.cancel()
         if not finished.done():  # as SGLang does: a client that gave up (a timeout) frees its batch slots
             await run_in_threadpool(engine.abort, job.rid)
+        try:
             await finished
+        except Exception as err:  # the engine's step failed under this request: no half-made answer
+            return JSONResponse({"error": {"message": f"generation failed: {err!r}"}}, status_code=500)
         results = [_result(engine, job, sample, body.return_logprob, started) for sample in job.samples]
         return JSONResponse(results[0] if len(results) == 1 else results)
 
