@@ -239,6 +239,24 @@ def test_pause_in_abort_mode_aborts_running_requests(http, engine):
     assert answer[0]["meta_info"]["finish_reason"]["type"] == "abort"
 
 
+def test_a_weight_load_asked_to_abort_all_requests_aborts_them_first(http, engine, models):
+    if engine.backend == "sglang":
+        pytest.skip(HELD_WHILE_PAUSED)
+    version = http.get("/model_info").json()["weight_version"]
+    http.post("/pause_generation", json={"mode": "in_place"})
+    with ThreadPoolExecutor(1) as pool:
+        try:
+            pending = pool.submit(generate, http, max_new_tokens=8)
+            wait_until_queued(http, engine)
+            loaded = http.post("/update_weights_from_disk",
+                               json={"model_path": str(models["initial"]), "weight_version": version, "abort_all_requests": True})  # fmt: skip
+            assert loaded.json()["success"], loaded.text
+            answer = pending.result(timeout=30)
+        finally:
+            http.post("/continue_generation", json={})
+    assert answer[0]["meta_info"]["finish_reason"]["type"] == "abort"
+
+
 MALFORMED = {
     "bad json": dict(content=b"{not json", headers={"content-type": "application/json"}),
     "missing input_ids": dict(json={"sampling_params": {}}),

@@ -164,7 +164,10 @@ def create_app(engine: ScheduledEngine, api_key: str | None = None, max_body_byt
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(body: UpdateWeightsFromDiskRequest):
+        aborted = await run_in_threadpool(engine.abort, None, True) if body.abort_all_requests else 0
         success, message = await run_in_threadpool(engine.update_weights, body.model_path, body.weight_version)
+        if body.abort_all_requests:
+            message += f" (aborted {aborted} requests first)"
         content = {"success": success, "message": message, "num_paused_requests": 0}
         return JSONResponse(content, status_code=200 if success else 400)
 
