@@ -244,6 +244,8 @@ class StorageConfig(Section):
     """Retention: keep the newest this many weight snapshots."""
     keep_every_snapshot: int = Field(10, ge=1, le=1_000_000)
     """Retention: also keep every snapshot whose version is a multiple of this."""
+    keep_last_checkpoints: int = Field(2, ge=2, le=10000)
+    """Retention: keep the newest this many trainer checkpoints (2 or more: a damaged newest one falls back to the one before)."""
 
     @field_validator("root")
     @classmethod

@@ -125,6 +125,22 @@ def load_checkpoint(
     return CheckpointState(step=step, ledger=list(state["ledger"]), extra=dict(state["extra"]))
 
 
+def apply_checkpoint_retention(store: RunStore, keep_last: int) -> list[int]:
+    """Delete every committed checkpoint but the newest `keep_last`; returns the steps deleted.
+
+    A checkpoint holds the weights and both of AdamW's moments in float32, 12 bytes a
+    parameter: kept for good, a 7B model's every tenth step of a thousand would fill 8 TB. Its
+    manifest goes first, so that no reader takes a checkpoint half deleted for committed."""
+    if keep_last < 2:
+        raise ValueError(f"keep_last must be >= 2 (a damaged newest checkpoint falls back to the one before), got {keep_last}")
+    deleted = checkpoint_steps(store)[:-keep_last]
+    for step in deleted:
+        prefix = checkpoint_prefix(step)
+        store.delete(f"{prefix}/{MANIFEST_NAME}")
+        store.delete_prefix(prefix)
+    return deleted
+
+
 class CheckpointDamaged(RuntimeError):
     """The newest checkpoint failed verification; it has been set aside (`set_aside_checkpoint`)."""
 

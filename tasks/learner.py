@@ -40,7 +40,9 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from configs.schema import RunConfig
 from infra.manifest import ManifestError
 from infra.storage import RunStore
-from tasks.checkpoints import CheckpointDamaged, latest_checkpoint_step, load_checkpoint, save_checkpoint, set_aside_checkpoint
+from tasks.checkpoints import (
+    CheckpointDamaged, apply_checkpoint_retention, latest_checkpoint_step, load_checkpoint, save_checkpoint, set_aside_checkpoint,
+)  # fmt: skip
 from tasks.lag import (
     Candidate, TrainerState, forget_late, groups_in_flight, lag_of, late_shard_keys, publish_trainer_state, select_batch,
     waits_for_last_chance,
@@ -309,6 +311,7 @@ class Learner:
     def _checkpoint(self) -> None:
         save_checkpoint(self.store, self.version, self.trainer.model, self.trainer.optimizer,
                         ledger=sorted(self.ledger.disposed), extra={"ledger": self.ledger.to_json()})  # fmt: skip
+        apply_checkpoint_retention(self.store, self.config.storage.keep_last_checkpoints)
         for key in late_shard_keys(self.store):
             if key in self.ledger.disposed:  # recorded in the checkpoint: a resumed trainer knows its fate
                 forget_late(self.store, key)

@@ -295,6 +295,27 @@ def test_the_lag_histogram_counts_each_sample_at_its_own_version(tmp_path: Path)
     assert record["lag_histogram"] == {"0": 6, "1": 2}
 
 
+def test_the_trainer_keeps_only_the_newest_checkpoints(tmp_path: Path):
+    """A checkpoint is 12 bytes a parameter; every one kept would fill the bucket on a long run.
+    Two stay (storage.keep_last_checkpoints), so that a damaged newest falls back to the other."""
+    from tasks.checkpoints import checkpoint_steps
+
+    learner = make_learner(tmp_path)
+    publish_snapshot(learner.store, learner.trainer.model, learner.tokenizer, 0)
+    for step in (1, 2, 3):
+        for slot in range(2 * step - 2, 2 * step):
+            write_group(learner, f"s{slot:08d}", seq=slot, version=step - 1)
+        learner.train_step(learner.admit_batch(poll_seconds=0.01))
+        learner._checkpoint()
+    assert learner.config.storage.keep_last_checkpoints == 2
+    assert checkpoint_steps(learner.store) == [2, 3]
+    assert not learner.store.list_recursive("checkpoints/step00000001"), "every file of the deleted one goes"
+    with pytest.raises(ValueError, match="keep_last must be >= 2"):
+        from tasks.checkpoints import apply_checkpoint_retention
+
+        apply_checkpoint_retention(learner.store, 1)
+
+
 def test_a_damaged_newest_checkpoint_is_set_aside_and_the_run_resumes_from_the_one_before(tmp_path: Path):
     """A checkpoint damaged after its commit (file:// writes it without fsync; a power loss) made
     every resume fail for good. The trainer now sets it aside and says so; the run, started
