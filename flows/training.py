@@ -19,7 +19,7 @@ from configs.schema import RunConfig
 from infra.modelfactory import load_tokenizer, load_trainable_model
 from infra.scratch import scratch_dir
 from flows.ui import TrainingProgress, announce_snapshot, due_for_evaluation
-from infra.storage import RunStore, open_run_store
+from infra.storage import RunStore, StorageUnavailable, open_run_store
 from tasks.lag import TrainerState, publish_trainer_state, read_trainer_state, stop_reason
 from tasks.learner import Learner
 from tasks.lease import PipelineWatch
@@ -33,7 +33,15 @@ class GenerationStopped(RuntimeError):
     its pipeline failed or was interrupted), or the pipeline that started the trainer is gone."""
 
 
-@task(cache_policy=NONE)
+def after_storage_outage(task, task_run, state) -> bool:
+    """Whether a failed admission is worth another try: only after storage was unreachable for
+    longer than storage.retry_seconds. The trainer spends most of its time in admission, so an
+    outage most often lands there; and admission is safe to repeat (nothing is consumed before
+    `train_step`, and what it disposed of is in the ledger)."""
+    return isinstance(state.result(raise_on_failure=False), StorageUnavailable)
+
+
+@task(cache_policy=NONE, retries=2, retry_delay_seconds=[10, 30], retry_condition_fn=after_storage_outage)
 def admit_batch(learner: Learner, pipeline: PipelineWatch) -> dict[str, pa.Table]:
     """Wait for `prompts_per_step` groups within the lag bound; drop and count stale ones."""
 
@@ -100,6 +108,8 @@ def _train(config: RunConfig, store: RunStore, cache: Path, pipeline: PipelineWa
         progress.step_done(record)
         if learner.version % config.training.publish_every == 0:
             _announce(config, store, learner.version)
+    if (why := pipeline.gone(now=True)) is not None:  # its final checkpoint and done mark are another pipeline's to write now
+        raise GenerationStopped(f"training stopped at v{learner.version} before its final checkpoint: {why}")
     learner.finish()
     return {
         "version": learner.version, "busy_seconds": learner.busy_seconds,

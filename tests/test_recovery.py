@@ -106,3 +106,45 @@ def test_a_trainer_and_a_generator_whose_pipeline_is_gone_stop_by_themselves(tmp
         generator.join(timeout=120)
     assert not generator.is_alive() and not read_trainer_state(store).done
     assert "no longer holds" in outcome["pipeline_gone"]
+
+
+class _AdmittingLearner:
+    """What `admit_batch` calls of a Learner: its admission, failing as told first."""
+
+    def __init__(self, failures: list[Exception]):
+        self.failures, self.calls = failures, 0
+
+    def admit_batch(self, should_stop):
+        self.calls += 1
+        if self.failures:
+            raise self.failures.pop(0)
+        return {"rollouts/v00000000/gen0-000000.parquet": None}
+
+
+class _HeldRun:
+    def gone(self, now: bool = False) -> None:
+        return None
+
+
+def test_admission_is_tried_again_after_a_storage_outage_and_not_after_a_stop():
+    """The trainer spends most of its time in admission: a storage outage longer than
+    storage.retry_seconds failed the whole training run there, though admitting again is safe."""
+    from prefect import flow
+    from prefect.testing.utilities import prefect_test_harness
+
+    from flows.training import admit_batch
+    from infra.storage import StorageUnavailable
+
+    admit = admit_batch.with_options(retry_delay_seconds=0)
+
+    @flow(validate_parameters=False)
+    def admission(learner: _AdmittingLearner) -> dict:
+        return admit(learner, _HeldRun())
+
+    with prefect_test_harness():
+        outage = _AdmittingLearner([StorageUnavailable("down for 30 s"), StorageUnavailable("down for 30 s")])
+        assert list(admission(outage)) == ["rollouts/v00000000/gen0-000000.parquet"] and outage.calls == 3
+        stopped = _AdmittingLearner([GenerationStopped("the run was asked to stop")])
+        with pytest.raises(GenerationStopped):
+            admission(stopped)
+        assert stopped.calls == 1, "a stop is not retried"
