@@ -24,6 +24,7 @@ allow in a key (only lowercase letters, digits and dashes) turned into a dash.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import re
 
@@ -68,8 +69,13 @@ def best_effort(function):
 
 
 def artifact_key(run_id: str, kind: str) -> str:
-    """`tandem-{run}-{kind}` in the characters Prefect allows in an artifact key."""
-    return re.sub(r"[^a-z0-9-]", "-", f"tandem-{run_id}-{kind}".lower())
+    """`tandem-{run}-{kind}` in the characters Prefect allows in an artifact key. A run id that
+    had to be folded into them (`exp_1`, `EXP-1`) gets a digest of itself after it, so that its
+    artifacts are not those of the run id it folds into (`exp-1`), which keeps its plain key."""
+    folded = re.sub(r"[^a-z0-9-]", "-", run_id.lower())
+    if folded != run_id:
+        folded += "-" + hashlib.sha256(run_id.encode()).hexdigest()[:8]
+    return f"tandem-{folded}-{kind}"
 
 
 class TrainingProgress:

@@ -3,6 +3,8 @@ its parameters, trigger and schedule fit the flow it names."""
 
 from __future__ import annotations
 
+import re
+
 from pathlib import Path
 
 import pytest
@@ -60,7 +62,10 @@ def test_evaluations_run_one_at_a_time_and_none_is_dropped():
 
 
 def test_names_derived_from_run_ids_are_what_prefect_allows():
-    assert artifact_key("My_Run.v2", "progress") == "tandem-my-run-v2-progress"
+    assert artifact_key("run-7", "progress") == "tandem-run-7-progress"
+    folded = {artifact_key(run_id, "progress") for run_id in ("exp-1", "exp_1", "EXP-1", "exp.1")}
+    assert len(folded) == 4, "run ids folding into the same characters must not share artifacts"
+    assert re.fullmatch(r"tandem-my-run-v2-[0-9a-f]{8}-progress", artifact_key("My_Run.v2", "progress"))
     assert scale_variable("My_Run.v2").startswith("tandem-generators-my_run-v2-")
     assert len({scale_variable(r) for r in ("a.b", "a-b", "A-b", "a_b")}) == 4, "one variable per run"
 
