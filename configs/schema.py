@@ -12,6 +12,7 @@ This package imports nothing of tandem: every other layer may import it.
 
 from __future__ import annotations
 
+import math
 import re
 from urllib.parse import urlsplit
 from typing import Any, Literal
@@ -426,6 +427,13 @@ class RunConfig(Section):
             raise ValueError(
                 f"prefect.evaluate_every ({self.prefect.evaluate_every}) needs held-out prompts: "
                 "env.eval_prompts must be at least 1, or set evaluate_every to 0"
+            )
+        every, publish = self.prefect.evaluate_every, self.training.publish_every
+        if every % publish:
+            raise ValueError(
+                f"prefect.evaluate_every ({every}) must be a multiple of training.publish_every ({publish}): only "
+                f"published snapshots are evaluated, so v{every} would be skipped, and the first scored would be "
+                f"v{every * publish // math.gcd(every, publish)}"
             )
         return self
 
