@@ -118,6 +118,27 @@ def prefect_server_reached(api_url: str) -> Iterator[None]:
         fail(f"cannot reach the Prefect server at {api_url} (PREFECT_API_URL): {err or type(err).__name__}", code=1)
 
 
+def require_child_deployments(name: str) -> None:
+    """Exit unless the server at PREFECT_API_URL has the deployments a deployed run starts its
+    children from. Without them the pipeline warm-started and evaluated v0, and then failed on its
+    first child with a traceback; without PREFECT_API_URL it did so on a temporary server of its
+    own, which no worker polls."""
+    from prefect import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    api_url = prefect_server_url()
+    missing = []
+    with prefect_server_reached(api_url), get_client(sync_client=True) as client:
+        for deployment in (f"training/{name}", f"generation/{name}"):
+            try:
+                client.read_deployment_by_name(deployment)
+            except ObjectNotFound:
+                missing.append(deployment)
+    if missing:
+        fail(f"prefect.mode is deployed, and the Prefect server at {api_url} has no deployment {' or '.join(missing)}: "
+             "run `tandem deploy` from the project directory first (or set prefect.deployment to yours)")  # fmt: skip
+
+
 @app.command("init")
 def init(
     config: ConfigFile,
@@ -151,6 +172,8 @@ def run(
     """Train end to end: warm-start, generation and training side by side, evaluation, summary."""
     resolved = resolve_config(config, overrides, run_id)
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    if resolved.prefect.mode == "deployed":
+        require_child_deployments(resolved.prefect.deployment)
     from infra.storage import StorageRejected, StorageUnavailable, open_run_store
     from tasks.lag import read_trainer_state
     from tasks.lease import RunInUse, check_run_free

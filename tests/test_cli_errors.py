@@ -44,7 +44,11 @@ def held_port():
         yield sock.getsockname()[1]
 
 
-@pytest.mark.parametrize("args", [("scale", "demo", "--generators", "3"), ("deploy",)], ids=["scale", "deploy"])
+SERVER_COMMANDS = [("scale", "demo", "--generators", "3"), ("deploy",), ("run", "configs/deployed.yaml")]
+"""Commands that talk to the Prefect server: `run` does when its config's prefect.mode is deployed."""
+
+
+@pytest.mark.parametrize("args", SERVER_COMMANDS, ids=["scale", "deploy", "run deployed"])
 def test_scale_and_deploy_refuse_to_run_without_prefect_api_url(args, tmp_path: Path):
     # Without it Prefect would start a temporary server and the request would reach no run.
     done = tandem(*args, env={"PREFECT_HOME": str(tmp_path)})
@@ -53,7 +57,7 @@ def test_scale_and_deploy_refuse_to_run_without_prefect_api_url(args, tmp_path: 
     assert "asked for" not in done.stdout
 
 
-@pytest.mark.parametrize("args", [("scale", "demo", "--generators", "3"), ("deploy",)], ids=["scale", "deploy"])
+@pytest.mark.parametrize("args", SERVER_COMMANDS, ids=["scale", "deploy", "run deployed"])
 def test_scale_and_deploy_name_the_url_of_a_server_that_is_down(args, tmp_path: Path):
     with socket.socket() as sock:  # a port nobody listens on once closed
         sock.bind(("127.0.0.1", 0))

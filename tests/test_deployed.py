@@ -435,3 +435,13 @@ def test_scaling_a_run_that_is_not_running_is_refused(deployment):
     assert done.returncode == 1 and "no pipeline of run 'nosuchrun' is running" in done.stderr, done.stdout + done.stderr
     with deployment.client() as client:
         assert client.read_variable_by_name(scale_variable("nosuchrun")) is None, "no request left for a later run"
+
+
+def test_a_deployed_tandem_run_needs_the_child_deployments_first(deployment):
+    """Without them the pipeline warm-started and evaluated v0 before its first child failed to
+    start, as a traceback."""
+    done = subprocess.run([_bin("tandem"), "run", "configs/deployed.yaml", "--set", "prefect.deployment=absent"],
+                          env=os.environ | deployment.env, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "has no deployment training/absent or generation/absent: run `tandem deploy`" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
