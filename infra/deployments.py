@@ -30,6 +30,7 @@ from pathlib import Path
 from prefect.automations import Automation
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.actions import WorkPoolCreate
+from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterName
 from prefect.client.schemas.objects import StateType
 from prefect.events.actions import ChangeFlowRunState
 from prefect.events.schemas.automations import EventTrigger, Posture
@@ -74,33 +75,42 @@ def apply_deployments(project: Path, spec: dict) -> list[str]:
     """Create the pools, apply prefect.yaml from `project`, keep active schedules active, add
     the automation that crashes unresponsive runs; returns the deployments' full names."""
     ensure_work_pools(work_pools_of(spec))
-    active = _active_schedules()
+    ours = sorted({d["name"] for d in spec.get("deployments", [])})
+    active = _active_schedules(ours)
     prefect = Path(sys.executable).with_name("prefect")
     command = [str(prefect) if prefect.exists() else "prefect", "--no-prompt", "deploy", "--all"]
     # The pull step names the working directory as {{ $PWD }}: the project, wherever it lies.
     env = os.environ | {"PWD": str(project), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
     try:
         done = subprocess.run(command, cwd=project, env=env, capture_output=True, text=True, timeout=DEPLOY_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"`{' '.join(command[-3:])}` did not finish in {DEPLOY_TIMEOUT_S} s") from None
+    except OSError as err:  # no prefect executable
+        raise RuntimeError(f"cannot run `{' '.join(command[-3:])}`: {err}") from None
     finally:  # a deploy that failed half-way may have applied the file's `active: false` already
-        _resume_schedules(active)
+        _resume_schedules(ours, active)
     if done.returncode != 0:
         raise RuntimeError(f"`{' '.join(command[-3:])}` failed with exit code {done.returncode}:\n{(done.stdout + done.stderr)[-3000:]}")
     ensure_unresponsive_run_automation()
     with get_client(sync_client=True) as client:
-        flows = {f.id: f.name for f in client.read_flows()}
-        ours = {d["name"] for d in spec.get("deployments", [])}
-        return sorted(f"{flows[d.flow_id]}/{d.name}" for d in client.read_deployments() if d.name in ours)
+        return sorted(f"{client.read_flow(d.flow_id).name}/{d.name}" for d in _deployments_named(client, ours))
 
 
-def _active_schedules() -> set[tuple[str, str]]:
-    """(deployment id, schedule) of every active schedule on the server."""
+def _deployments_named(client, names: list[str]) -> list:
+    """The server's deployments of these names, whatever their flow: asked for by name, since a
+    plain read returns the first 200 of a shared server's, which may leave out tandem's."""
+    return client.read_deployments(deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=names)))
+
+
+def _active_schedules(names: list[str]) -> set[tuple[str, str]]:
+    """(deployment id, schedule) of every active schedule of the deployments named `names`."""
     with get_client(sync_client=True) as client:
-        return {(str(d.id), repr(s.schedule)) for d in client.read_deployments() for s in d.schedules if s.active}
+        return {(str(d.id), repr(s.schedule)) for d in _deployments_named(client, names) for s in d.schedules if s.active}
 
 
-def _resume_schedules(active: set[tuple[str, str]]) -> None:
+def _resume_schedules(names: list[str], active: set[tuple[str, str]]) -> None:
     with get_client(sync_client=True) as client:
-        for deployment in client.read_deployments():
+        for deployment in _deployments_named(client, names):
             for schedule in deployment.schedules:
                 if not schedule.active and (str(deployment.id), repr(schedule.schedule)) in active:
                     client.update_deployment_schedule(deployment.id, schedule.id, active=True)
