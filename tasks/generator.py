@@ -42,9 +42,13 @@ from tasks.envs import Prompt, load_environment
 from tasks.lag import SlotClaims, admission_capacity, claim_share, read_trainer_state
 from tasks.rollout import model_eos_ids, run_group
 from tasks.shards import committed_slots, parse_shard_key, shard_key, write_shard
-from tasks.snapshots import latest_version, load_snapshot, pin_snapshot, snapshot_prefix, snapshot_versions
+from tasks.snapshots import (
+    latest_version, load_snapshot, manifest_digest, pin_snapshot, report_rejected, snapshot_prefix, snapshot_versions,
+)  # fmt: skip
 
 log = logging.getLogger(__name__)
+REJECTION_RECHECK_SECONDS = 5.0
+"""How often a generator looks whether a snapshot it rejected has been committed again."""
 
 
 @dataclass(frozen=True)
@@ -213,8 +217,10 @@ class Generator:
         `while_loading`; None otherwise."""
         self.model_eos = model_eos_ids(fleet.model_dir)
         """The model's own end tokens, which end a turn besides the tokenizer's (tasks/rollout.py)."""
-        self.rejected_snapshots: set[int] = set()
-        """Versions whose snapshot failed verification: never tried again."""
+        self.rejected_snapshots: dict[int, str | None] = {}
+        """Version -> manifest digest of the commit that failed verification: not tried again
+        until the version is committed anew (tasks/snapshots.py `recommit_snapshot`)."""
+        self._rejections_checked_at = 0.0
         self.orphans = self.claims.claimed_by_me(exclude=set(committed))
         """Slots an earlier life of this producer claimed but never committed (it died with them
         in flight). They are generated first: left alone, the capacity they hold would leak,
@@ -249,14 +255,14 @@ class Generator:
         starts its work after the load.
 
         A snapshot that fails verification (damaged after its commit: a file truncated or
-        changed) raises `SnapshotRejected` once and is skipped from then on. The engines keep
-        the weights they have, which the lag bound still covers, until a newer snapshot
-        verifies: the trainer publishes one every `publish_every` steps. Crashing here instead
-        would take the whole generation side down for one bad object. A disk too full for the
+        changed) raises `SnapshotRejected` once, is reported to the trainer, and is skipped
+        until it is committed again (tasks/snapshots.py `recommit_snapshot`). The engines keep
+        the weights they have meanwhile. Crashing here instead would take the whole generation
+        side down for one bad object. A disk too full for the
         fetch is this machine's trouble, not the snapshot's: its OSError (ENOSPC) is raised, and
         the generation run fails naming the bytes it needs, rather than skip every snapshot."""
         newest = latest_version(self.store)
-        if newest is None or newest == self.fleet.version or newest in self.rejected_snapshots:
+        if newest is None or newest == self.fleet.version or not self._worth_fetching(newest):
             return None
         began = time.monotonic()
         previous = self.fleet.model_dir
@@ -266,7 +272,8 @@ class Generator:
         except ManifestError as err:
             if newest not in snapshot_versions(self.store):
                 return None  # withdrawn meanwhile (tasks/lag.py `reopen_run`): LATEST says what replaces it
-            self.rejected_snapshots.add(newest)
+            self.rejected_snapshots[newest] = manifest_digest(self.store, newest)
+            report_rejected(self.store, self.producer, newest, self.rejected_snapshots[newest], str(err))
             raise SnapshotRejected(newest, str(err)) from err
         fetched = time.monotonic()
         paused = while_loading is not None and self.fleet.pause()
@@ -289,6 +296,20 @@ class Generator:
             shutil.rmtree(previous, ignore_errors=True)  # real model's every version would fill the disk
         return {"fetch_seconds": fetched - began, "pause_seconds": loading - fetched,
                 "load_seconds": loaded - loading, "start_seconds": starting - loading}  # fmt: skip
+
+    def _worth_fetching(self, version: int) -> bool:
+        """False for a version rejected before, until its manifest shows a new commit of it
+        (looked at every `REJECTION_RECHECK_SECONDS`: a small read, where a fetch is the
+        whole model)."""
+        if version not in self.rejected_snapshots:
+            return True
+        if time.monotonic() - self._rejections_checked_at < REJECTION_RECHECK_SECONDS:
+            return False
+        self._rejections_checked_at = time.monotonic()
+        if manifest_digest(self.store, version) in (None, self.rejected_snapshots[version]):
+            return False
+        del self.rejected_snapshots[version]
+        return True
 
     def claim_specs(self, most: int, held: int = 0, producers: int = 1, new_claims: bool = True) -> list[GroupSpec]:
         """Up to `most` slots to generate: this producer's orphans first, then (unless

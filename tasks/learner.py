@@ -50,7 +50,9 @@ from tasks.lag import (
 from tasks.loss import group_advantages
 from tasks.metrics import MetricsLog
 from tasks.shards import list_shards, parse_shard_key, quarantined_keys, read_valid_shards, table_to_rollouts
-from tasks.snapshots import apply_retention, publish_snapshot, snapshot_versions
+from tasks.snapshots import (
+    apply_retention, latest_version, manifest_digest, publish_snapshot, recommit_snapshot, rejection_reports, snapshot_versions,
+)  # fmt: skip
 from tasks.trainer import Trainer, build_batch
 
 LEDGER_KEY = "lag/ledger.json"
@@ -164,6 +166,7 @@ class Learner:
                 return None
             if time.monotonic() - late_checked >= LATE_CHECK_SECONDS:
                 self._drop_late()
+                self._repair_rejected_snapshots()
                 late_checked = time.monotonic()
             if self.ledger.lost_groups != shared_losses:
                 # Generators may replace a lost group as soon as they know of it: at max_lag 0 the
@@ -282,6 +285,25 @@ class Learner:
         late = [key for key in late_shard_keys(self.store)
                 if key not in self.ledger.disposed and lag_of(self.version, parse_shard_key(key).version) > max_lag]  # fmt: skip
         self._drop_stale(late)
+
+    def _repair_rejected_snapshots(self) -> None:
+        """Answer the generators' reports of a snapshot damaged after its commit
+        (tasks/snapshots.py): the newest snapshot, whose engines the lag bound may need, is
+        committed again if the trainer is still at its version, else the trainer publishes its
+        own version now. Without it the generators kept their older weights, and where the bound
+        needs the newest (at max_lag 0, every batch does) the run waited for good."""
+        for key, report in rejection_reports(self.store).items():
+            if report is not None and report["version"] == latest_version(self.store) \
+                    and manifest_digest(self.store, report["version"]) == report.get("manifest"):  # fmt: skip
+                rejected = report["version"]
+                if self.version == rejected:
+                    recommit_snapshot(self.store, self.trainer.model, self.tokenizer, rejected, report.get("manifest"), self.publish_dtype)
+                else:
+                    publish_snapshot(self.store, self.trainer.model, self.tokenizer, self.version, dtype=self.publish_dtype)
+                print(f"snapshot v{rejected} was found damaged ({str(report.get('reason'))[:200]}); "
+                      f"published v{self.version} {'again' if self.version == rejected else 'in its place'}")  # fmt: skip
+                self.metrics.log("snapshot_republished", rejected=rejected, version=self.version, reason=str(report.get("reason"))[:500])
+            self.store.delete(key)  # answered, superseded by a newer snapshot, or already committed again
 
     def _drop_stale(self, keys: list[str]) -> None:
         """Dispose of shards past the lag bound: as stale, or as a duplicate if their group was

@@ -6,6 +6,9 @@
                                 except back to the checkpoint a restarted run resumes from
     weights/pins/{consumer}.json  {"version": V}: a generator or engine is using V; retention
                                 keeps it (a withdrawal does not)
+    weights/rejected/{consumer}.json  {"version": V, "manifest": digest, "reason": ...}: a
+                                generator found V damaged after its commit; the trainer commits
+                                it again (`recommit_snapshot`) and removes the report
 
 Why this shape: a generator polls LATEST and loads what it names, so LATEST must never name a
 snapshot that is incomplete or gone. Hence the order publish = upload, manifest, then LATEST; and
@@ -27,6 +30,12 @@ to K and deletes the predecessor's later snapshots, pinned or not (tasks/lag.py 
 that the run's generators start on weights the resumed trainer has. `committed_at` tells a
 number's two snapshots apart where that matters (a score recorded for the first).
 
+A snapshot damaged after its commit (a file truncated or changed in the bucket) fails every
+generator's verification. They keep their engines' weights and report it (`report_rejected`);
+where the lag bound needs that version (at max_lag 0, every batch needs the newest) the run would
+otherwise wait for good. The trainer commits the same version again from its weights, marked as
+replacing the damaged commit, so that its manifest differs and generators try it again.
+
 A consumer that must not lose its snapshot mid-load pins it first (`pin_snapshot`), then loads;
 a ManifestError from `load_snapshot` means the version was retired or withdrawn meanwhile: read
 LATEST again.
@@ -37,10 +46,12 @@ A consumer told which version to use (an evaluation) pins it too, then checks it
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import logging
 import re
 import tempfile
+import time
 from collections.abc import Iterable
 from datetime import datetime
 from pathlib import Path
@@ -57,6 +68,7 @@ log = logging.getLogger(__name__)
 WEIGHTS = "weights"
 LATEST_KEY = f"{WEIGHTS}/LATEST"
 PINS = f"{WEIGHTS}/pins"
+REJECTED = f"{WEIGHTS}/rejected"
 _VERSION_DIR = re.compile(r"v(\d{8})")
 _CONSUMER = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
@@ -75,6 +87,7 @@ def publish_snapshot(
     version: int,
     staging_dir: Path | None = None,
     dtype: torch.dtype | None = None,
+    replaces: str | None = None,
 ) -> int:
     """Save `model` and `tokenizer` as snapshot `version`, commit it, move LATEST; returns version.
 
@@ -90,7 +103,7 @@ def publish_snapshot(
         else:
             _save_cast(model, Path(temp), dtype)
         tokenizer.save_pretrained(temp)
-        return publish_snapshot_dir(store, Path(temp), version, take_files=True)
+        return publish_snapshot_dir(store, Path(temp), version, take_files=True, replaces=replaces)
 
 
 def _save_cast(model: PreTrainedModel, out_dir: Path, dtype: torch.dtype) -> None:
@@ -116,11 +129,13 @@ def _save_cast(model: PreTrainedModel, out_dir: Path, dtype: torch.dtype) -> Non
     config.save_pretrained(out_dir)
 
 
-def publish_snapshot_dir(store: RunStore, local_dir: Path, version: int, take_files: bool = False) -> int:
+def publish_snapshot_dir(store: RunStore, local_dir: Path, version: int, take_files: bool = False, replaces: str | None = None) -> int:
     """Commit an HF directory already on disk (e.g. the initial model) as snapshot `version`;
-    `take_files` only for a staging directory the caller deletes (see `commit_directory`)."""
+    `take_files` only for a staging directory the caller deletes (see `commit_directory`);
+    `replaces`: the manifest digest of a damaged commit of this version (`recommit_snapshot`)."""
     prefix = snapshot_prefix(version)
-    commit_directory(store, local_dir, prefix, extra={"version": version}, take_files=take_files)
+    extra = {"version": version} | ({"replaces": replaces} if replaces else {})
+    commit_directory(store, local_dir, prefix, extra=extra, take_files=take_files)
     move_latest_forward(store, version)
     return version
 
@@ -243,6 +258,46 @@ def committed_at(store: RunStore, version: int) -> float:
     return datetime.fromisoformat(read_manifest(store, snapshot_prefix(version))["created_at"]).timestamp()
 
 
+def manifest_digest(store: RunStore, version: int) -> str | None:
+    """sha256 of snapshot `version`'s MANIFEST.json as stored, which names one commit of it;
+    None if it has none."""
+    try:
+        return hashlib.sha256(store.read_bytes(f"{snapshot_prefix(version)}/{MANIFEST_NAME}")).hexdigest()
+    except FileNotFoundError:
+        return None
+
+
+def report_rejected(store: RunStore, consumer: str, version: int, manifest: str | None, reason: str) -> None:
+    """Tell the trainer that `consumer` found the commit of snapshot `version` whose manifest
+    digest is `manifest` damaged (module docstring)."""
+    record = {"version": version, "manifest": manifest, "reason": reason[:2000], "at": time.time()}
+    store.write_atomic(f"{REJECTED}/{_consumer_name(consumer)}.json", json.dumps(record).encode())
+
+
+def rejection_reports(store: RunStore) -> dict[str, dict | None]:
+    """Key -> report of every rejection reported; None for one that does not parse."""
+    reports: dict[str, dict | None] = {}
+    for key in store.list(REJECTED):
+        try:
+            record = json.loads(store.read_bytes(key))
+            reports[key] = record if isinstance(record, dict) and type(record.get("version")) is int else None
+        except FileNotFoundError:  # handled since the listing
+            continue
+        except ValueError:
+            reports[key] = None
+    return reports
+
+
+def recommit_snapshot(store: RunStore, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, version: int,
+                      replaces: str | None, dtype: torch.dtype | None = None) -> None:  # fmt: skip
+    """Commit snapshot `version` again from the weights that made it (the trainer's, still at
+    that version), in place of the commit whose manifest digest is `replaces`, which a reader
+    found damaged. LATEST keeps naming `version`; a generator that reads it meanwhile finds no
+    snapshot and reads LATEST again."""
+    _delete_snapshot(store, version)
+    publish_snapshot(store, model, tokenizer, version, dtype=dtype, replaces=replaces or "unreadable")
+
+
 def withdraw_after(store: RunStore, version: int) -> list[int]:
     """Move LATEST back to committed snapshot `version` and delete every snapshot after it, newest
     first; returns the versions deleted. For a trainer resumed from its checkpoint at `version`
@@ -275,6 +330,10 @@ def _read_version(store: RunStore, key: str) -> int:
 
 
 def _pin_key(consumer: str) -> str:
+    return f"{PINS}/{_consumer_name(consumer)}.json"
+
+
+def _consumer_name(consumer: str) -> str:
     if not _CONSUMER.fullmatch(consumer):
         raise ValueError(f"consumer name must be letters, digits, '.', '_', '-': {consumer!r}")
-    return f"{PINS}/{consumer}.json"
+    return consumer

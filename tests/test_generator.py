@@ -23,7 +23,7 @@ from tasks.generator import Generator, generate_group, snapshot_dir_for_engines
 from tasks.lag import TrainerState, admission_capacity, publish_trainer_state
 from tasks.rundir import initialize_run
 from tasks.shards import list_shards
-from tasks.snapshots import LATEST_KEY, publish_snapshot_dir, withdraw_after
+from tasks.snapshots import LATEST_KEY, publish_snapshot_dir, snapshot_prefix, withdraw_after
 
 pytestmark = pytest.mark.slow  # every test starts an engine
 
@@ -200,3 +200,23 @@ def test_a_snapshot_withdrawn_while_it_is_fetched_is_not_refused_for_good(genera
     assert gen.refresh_weights() is None and gen.fleet.version == 0 and not gen.rejected_snapshots
     _publish_v1(gen, store)
     assert gen.refresh_weights() and gen.fleet.version == 1
+
+
+def test_a_snapshot_damaged_after_its_commit_is_reported_and_tried_again_once_committed_anew(generator, monkeypatch):
+    from tasks.generator import SnapshotRejected
+    from tasks.snapshots import _delete_snapshot, manifest_digest, rejection_reports
+
+    gen, store = generator
+    v0_weights = gen.fleet.model_dir
+    _publish_v1(gen, store)
+    damaged = store.local_path(f"{snapshot_prefix(1)}/model.safetensors")
+    damaged.write_bytes(damaged.read_bytes()[:-8])
+    with pytest.raises(SnapshotRejected):
+        gen.refresh_weights()
+    [report] = rejection_reports(store).values()
+    assert report["version"] == 1 and report["manifest"] == manifest_digest(store, 1)
+    monkeypatch.setattr("tasks.generator.REJECTION_RECHECK_SECONDS", 0.0)
+    assert gen.refresh_weights() is None and gen.fleet.version == 0, "the same commit is not fetched again"
+    _delete_snapshot(store, 1)  # what the trainer's recommit_snapshot does
+    publish_snapshot_dir(store, v0_weights, 1, replaces=report["manifest"])
+    assert gen.refresh_weights() and gen.fleet.version == 1 and not gen.rejected_snapshots

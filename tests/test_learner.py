@@ -17,14 +17,14 @@ from infra.storage import open_run_store
 from tasks.checkpoints import latest_checkpoint_step
 from tasks.lag import admission_capacity, late_shard_keys, read_trainer_state, reopen_run, report_late
 from tasks.learner import Learner
-from tasks.metrics import MetricsLog
+from tasks.metrics import MetricsLog, read_metrics
 from tasks.shards import quarantined_keys, shard_key, write_shard
 from tasks.snapshots import apply_retention, latest_version, load_snapshot, publish_snapshot, snapshot_versions
 from tests.test_shards import make_rollouts
 
 
-def make_learner(tmp_path: Path) -> Learner:
-    config = load_config(TINY_CONFIG, [f"storage.root=file://{tmp_path}", "training.prompts_per_step=2", "lag.max_lag=1"])
+def make_learner(tmp_path: Path, *overrides: str) -> Learner:
+    config = load_config(TINY_CONFIG, [f"storage.root=file://{tmp_path}", "training.prompts_per_step=2", "lag.max_lag=1", *overrides])
     store = open_run_store(config.storage, config.run_id)
     tokenizer = build_tokenizer()
     model = build_model(config.model, vocab_size=len(tokenizer), seed=0)
@@ -338,3 +338,41 @@ def test_a_damaged_newest_checkpoint_is_set_aside_and_the_run_resumes_from_the_o
     assert "reason" in json.loads(learner.store.read_bytes(f"{checkpoint_prefix(2)}/damaged.json"))
     resumed = restart_run(tmp_path)
     assert resumed.version == 1 and snapshot_versions(resumed.store) == [0, 1] and latest_version(resumed.store) == 1
+
+
+def test_a_snapshot_the_generators_found_damaged_is_committed_again(tmp_path: Path):
+    """A file of the newest snapshot damaged after its commit: every generator rejects it and
+    keeps older weights, and at max_lag 0 no batch could ever be generated. The trainer, still at
+    that version, commits it again, once for any number of reports."""
+    from infra.manifest import read_manifest
+    from tasks.snapshots import manifest_digest, rejection_reports, report_rejected, snapshot_prefix
+
+    learner = make_learner(tmp_path)
+    store = learner.store
+    publish_snapshot(store, learner.trainer.model, learner.tokenizer, 0)
+    damaged = manifest_digest(store, 0)
+    for generator in ("gen0", "gen1"):
+        report_rejected(store, generator, 0, damaged, "model.safetensors: sha256 mismatch")
+    learner._repair_rejected_snapshots()
+    assert manifest_digest(store, 0) not in (None, damaged)
+    assert read_manifest(store, snapshot_prefix(0))["extra"] == {"version": 0, "replaces": damaged}
+    assert rejection_reports(store) == {}
+    assert [r["rejected"] for r in read_metrics(store, "trainer") if r["event"] == "snapshot_republished"] == [0]
+    load_snapshot(store, tmp_path / "verified", 0)
+
+
+def test_a_trainer_past_the_damaged_snapshot_publishes_its_own_version_in_its_place(tmp_path: Path):
+    """With publish_every 2 the trainer is at v1 while v0 is the newest snapshot: it publishes v1."""
+    from tasks.snapshots import manifest_digest, rejection_reports, report_rejected
+
+    learner = make_learner(tmp_path, "training.publish_every=2")
+    store = learner.store
+    publish_snapshot(store, learner.trainer.model, learner.tokenizer, 0)
+    for slot in (0, 1):
+        write_group(learner, f"s{slot:08d}", seq=slot)
+    learner.train_step(learner.admit_batch(poll_seconds=0.01))
+    assert learner.version == 1 and snapshot_versions(store) == [0]
+    report_rejected(store, "gen0", 0, manifest_digest(store, 0), "model.safetensors: truncated")
+    learner._repair_rejected_snapshots()
+    assert snapshot_versions(store) == [0, 1] and latest_version(store) == 1
+    assert rejection_reports(store) == {}
