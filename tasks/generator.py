@@ -47,6 +47,8 @@ from tasks.snapshots import (
 )  # fmt: skip
 
 log = logging.getLogger(__name__)
+RELOAD_RETRY_SECONDS = 10.0
+"""How often a generator tries again to load its version into an engine that failed that load."""
 REJECTION_RECHECK_SECONDS = 5.0
 """How often a generator looks whether a snapshot it rejected has been committed again."""
 
@@ -221,6 +223,7 @@ class Generator:
         """Version -> manifest digest of the commit that failed verification: not tried again
         until the version is committed anew (tasks/snapshots.py `recommit_snapshot`)."""
         self._rejections_checked_at = 0.0
+        self._reloaded_at, self._reload_failures = 0.0, 0
         self.orphans = self.claims.claimed_by_me(exclude=set(committed))
         """Slots an earlier life of this producer claimed but never committed (it died with them
         in flight). They are generated first: left alone, the capacity they hold would leak,
@@ -258,11 +261,15 @@ class Generator:
         changed) raises `SnapshotRejected` once, is reported to the trainer, and is skipped
         until it is committed again (tasks/snapshots.py `recommit_snapshot`). The engines keep
         the weights they have meanwhile. Crashing here instead would take the whole generation
-        side down for one bad object. A disk too full for the
-        fetch is this machine's trouble, not the snapshot's: its OSError (ENOSPC) is raised, and
-        the generation run fails naming the bytes it needs, rather than skip every snapshot."""
+        side down for one bad object. A disk too full for the fetch is this machine's trouble,
+        not the snapshot's: its OSError (ENOSPC) is raised, and the generation run fails naming
+        the bytes it needs, rather than skip every snapshot. With nothing new to load, engines
+        that failed the last load are given it again (`_reload_engines_behind`)."""
         newest = latest_version(self.store)
-        if newest is None or newest == self.fleet.version or not self._worth_fetching(newest):
+        if newest == self.fleet.version:
+            self._reload_engines_behind()
+            return None
+        if newest is None or not self._worth_fetching(newest):
             return None
         began = time.monotonic()
         previous = self.fleet.model_dir
@@ -290,12 +297,28 @@ class Generator:
                     starting = time.monotonic()
             results, loaded = load.result()
         failed = [r for r in results if not r.ok]
-        if failed:
+        if failed:  # `_reload_engines_behind` tries them again
             log.warning("engines failed to load v%d: %s", newest, [(r.url, r.message) for r in failed])
+            self._reloaded_at = time.monotonic()
         if previous.parent == self.cache_dir / "weights":  # engines restart on the new files; a
             shutil.rmtree(previous, ignore_errors=True)  # real model's every version would fill the disk
         return {"fetch_seconds": fetched - began, "pause_seconds": loading - fetched,
                 "load_seconds": loaded - loading, "start_seconds": starting - loading}  # fmt: skip
+
+    def _reload_engines_behind(self) -> None:
+        """Try again the load of the fleet's version into the engines that failed it: they serve
+        older weights until then, which the lag bound may soon drop (or, where no newer snapshot
+        comes, for good). After `RELOAD_RETRY_SECONDS`, doubled after each try that failed, up
+        to ten minutes: a load that keeps failing holds this loop up for its timeout each time."""
+        if all(version == self.fleet.version for version in self.fleet.engine_versions):
+            self._reload_failures = 0
+            return
+        if time.monotonic() - self._reloaded_at < min(600.0, RELOAD_RETRY_SECONDS * 2**self._reload_failures):
+            return
+        results = self.fleet.reload_behind()
+        self._reloaded_at = time.monotonic()
+        self._reload_failures = 0 if all(r.ok for r in results) else self._reload_failures + 1
+        log.warning("loaded v%d again into the engines that failed it: %s", self.fleet.version, [(r.url, r.ok, r.message) for r in results])
 
     def _worth_fetching(self, version: int) -> bool:
         """False for a version rejected before, until its manifest shows a new commit of it

@@ -51,6 +51,10 @@ def test_an_engine_that_hung_through_a_weight_sync_is_continued_when_it_answers_
         answer = httpx.post(f"{hung.url}/generate", json={"input_ids": [1, 20, 21], "sampling_params": {"max_new_tokens": 2}}, timeout=10)
         assert answer.status_code == 200
         assert answer.json()["meta_info"]["weight_version"] == "0", "it runs on the weights it has until the next sync"
+        assert fleet.engine_versions == [0, 1]
+        assert [(r.url, r.ok) for r in fleet.reload_behind(timeout=10)] == [(hung.url, True)], "the other engine is left alone"
+        assert fleet.engine_versions == [1, 1] and engine_state(hung.url) == ("1", False)
+        assert fleet.reload_behind() == []
 
 
 def engine_state(url: str) -> tuple[str, bool]:

@@ -220,3 +220,17 @@ def test_a_snapshot_damaged_after_its_commit_is_reported_and_tried_again_once_co
     _delete_snapshot(store, 1)  # what the trainer's recommit_snapshot does
     publish_snapshot_dir(store, v0_weights, 1, replaces=report["manifest"])
     assert gen.refresh_weights() and gen.fleet.version == 1 and not gen.rejected_snapshots
+
+
+def test_an_engine_that_failed_a_load_is_loaded_again(generator, monkeypatch):
+    """It served the older weights until the next snapshot, whose groups the lag bound may drop;
+    where no newer snapshot comes, for good."""
+    gen, store = generator
+    _publish_v1(gen, store)
+    assert gen.refresh_weights() and gen.fleet.engine_versions == [1]
+    gen.fleet.engine_versions[0] = 0  # as the fleet records a load the engine failed,
+    gen._reloaded_at = time.monotonic()  # and refresh_weights the failure
+    assert gen.refresh_weights() is None and gen.fleet.engine_versions == [0], "not before RELOAD_RETRY_SECONDS"
+    monkeypatch.setattr("tasks.generator.RELOAD_RETRY_SECONDS", 0.0)
+    assert gen.refresh_weights() is None, "nothing new to fetch"
+    assert gen.fleet.engine_versions == [1] and engine_info(gen)["weight_version"] == "1"

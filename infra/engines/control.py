@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import aiohttp
@@ -48,12 +49,14 @@ class EngineControl(EngineClient):
     """An engine client that also moves its engines to new weights, pauses and aborts them."""
 
     async def update_weights(
-        self, model_path: str, weight_version: str, timeout: float = 120.0, pause_mode: str = "retract"
-    ) -> list[WeightSyncResult]:
-        """Pause, load and continue every engine concurrently, each within `timeout` s.
+        self, model_path: str, weight_version: str, timeout: float = 120.0, pause_mode: str = "retract",
+        only: Collection[str] | None = None,
+    ) -> list[WeightSyncResult]:  # fmt: skip
+        """Pause, load and continue every engine (or those whose URL is in `only`) concurrently,
+        each within `timeout` s.
 
-        One result per engine, in the client's order, so that `all(r.ok ...)` means every engine
-        is on the new weights. An engine out of rotation is synced too if it answers /model_info
+        One result per engine synced, in the client's order, so that `all(r.ok ...)` means every
+        one is on the new weights. An engine out of rotation is synced too if it answers /model_info
         now (which a paused SGLang engine does, unlike /health), without waiting for the probe:
         one restarted on its port, or one that a sync gave up on and that runs again, would
         otherwise miss this version; one that does not answer is reported failed. Every engine
@@ -65,11 +68,12 @@ class EngineControl(EngineClient):
                 return WeightSyncResult(endpoint.url, False, endpoint.weight_version, "skipped: out of rotation, not answering")
             return await self._update_one(endpoint, model_path, weight_version, timeout, pause_mode)
 
-        await self._hold(self.endpoints)
+        endpoints = [e for e in self.endpoints if only is None or e.url in only]
+        await self._hold(endpoints)
         try:  # every engine's sync ends before any is released to the probe
-            results = await asyncio.gather(*(one(e) for e in self.endpoints), return_exceptions=True)
+            results = await asyncio.gather(*(one(e) for e in endpoints), return_exceptions=True)
         finally:
-            for endpoint in self.endpoints:
+            for endpoint in endpoints:
                 endpoint.held = False
         if errors := [r for r in results if isinstance(r, BaseException)]:
             raise errors[0]

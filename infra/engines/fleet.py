@@ -121,10 +121,24 @@ class EngineFleet:
         that answers; one that does not (hung, or dead until `restart_dead`) is reported failed."""
         results = self._run(lambda client: client.update_weights(str(model_dir), str(version), timeout))
         self.model_dir, self.version = model_dir, version
-        for i, result in enumerate(results):
-            if result.ok:
-                self.engine_versions[i] = version
+        self._record(results)
         return results
+
+    def reload_behind(self, timeout: float = 120.0) -> list[WeightSyncResult]:
+        """Load the fleet's version into every engine that failed to load it (hung through the
+        sync, out of memory for a moment): it serves older weights meanwhile, whose groups the lag
+        bound may soon drop. The others are left alone. [] when none is behind."""
+        behind = [url for url, version in zip(self.urls, self.engine_versions, strict=True) if version != self.version]
+        if not behind:
+            return []
+        results = self._run(lambda client: client.update_weights(str(self.model_dir), str(self.version), timeout, only=behind))
+        self._record(results)
+        return results
+
+    def _record(self, results: list[WeightSyncResult]) -> None:
+        for result in results:
+            if result.ok:
+                self.engine_versions[self.urls.index(result.url)] = self.version
 
     def abort_all(self) -> None:
         """Abort every request the engines are running or queueing (they answer it with
