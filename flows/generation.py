@@ -145,11 +145,11 @@ def _generate(config: RunConfig, producer: str, cache: Path, pipeline: PipelineW
     metrics = MetricsLog(store, f"generator-{producer}")
     totals = {"groups": 0, "samples": 0, "engine_restarts": 0, "weight_updates": 0}
     fleet = EngineFleet(config.engine, config.generation.engines, model_dir, version, cache / "logs")
-    with dask_task_runner(config) as dask, fleet, InFlightReport(store, producer) as reported:
+    in_flight: list[_Chunk] = []
+    with dask_task_runner(config) as dask, fleet, InFlightReport(store, producer, in_flight) as reported:
         metrics.log("engines_started", version=version, engines=fleet.describe(), pid=os.getpid())
         generator = Generator(config, producer, fleet, cache)
         _recover_records(metrics, generator, config.generation.samples_per_prompt)
-        in_flight = []
         busy_since, idle_seconds = time.monotonic(), 0.0
         retiring = _RetireCheck(store, producer)
         producers = _ProducerCount(store, producer)
@@ -190,7 +190,7 @@ def _generate(config: RunConfig, producer: str, cache: Path, pipeline: PipelineW
                 print(f"{producer}: {rejected}; the engines stay on v{fleet.version}")
                 metrics.log("snapshot_rejected", version=rejected.version, reason=rejected.reason[:500])
             started = start_chunk()
-            reported.maybe_publish(in_flight)
+            reported.maybe_publish()
             if not started and not in_flight:
                 idle_started = time.monotonic()
                 time.sleep(POLL_SECONDS)
@@ -198,6 +198,8 @@ def _generate(config: RunConfig, producer: str, cache: Path, pipeline: PipelineW
             elif not started:
                 _wait_for_first([c.future for c in in_flight], POLL_SECONDS)
             load.maybe_log(idle_seconds, len(in_flight))
+        if pipeline.successor is not None:  # its generator of this name writes the record now
+            reported.stop()
         if in_flight and (read_trainer_state(store).done or pipeline.reason is not None):
             fleet.abort_all()
         for chunk in in_flight:
@@ -231,10 +233,12 @@ class InFlightReport:
     one's. The thread is why: the flow's loop can be held up for longer than the lifetime while
     its groups are still in flight (a large snapshot's fetch, a real model's weight load or an
     engine's restart take minutes), and a stale record would have the trainer stop waiting for
-    them and a restarted pipeline hand this generator's claims to another."""
+    them and a restarted pipeline hand this generator's claims to another. The thread counts
+    the chunks afresh each time, leaving out those that finished meanwhile, which the held-up
+    loop has not yet taken off `chunks`: the trainer would wait for groups already committed."""
 
-    def __init__(self, store, producer: str, refresh_seconds: float = IN_FLIGHT_TTL_SECONDS / 3):
-        self.store, self.producer, self.refresh_seconds = store, producer, refresh_seconds
+    def __init__(self, store, producer: str, chunks: list[_Chunk], refresh_seconds: float = IN_FLIGHT_TTL_SECONDS / 3):
+        self.store, self.producer, self.chunks, self.refresh_seconds = store, producer, chunks, refresh_seconds
         self.published: Counter | None = None
         self._lock = threading.Lock()  # a refresh never overwrites a newer count with an older one
         self._stop = threading.Event()
@@ -245,22 +249,33 @@ class InFlightReport:
         return self
 
     def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._refresher.join()
+        self.stop()
 
-    def maybe_publish(self, chunks: list[_Chunk]) -> None:
-        groups = Counter()
-        for chunk in chunks:
-            groups[chunk.version] += chunk.groups
+    def maybe_publish(self) -> None:
+        """Publish the count if it changed since the last publish."""
         with self._lock:
+            groups = self._count()
             if groups != self.published:
                 publish_in_flight(self.store, self.producer, groups)
                 self.published = groups
 
+    def stop(self) -> None:
+        """Refresh no more (the record may be another's now: a successor's generator of this name)."""
+        self._stop.set()
+        if self._refresher.is_alive():
+            self._refresher.join()
+
     def withdraw(self) -> None:
         """Stop refreshing and remove the record: this generator has stopped."""
-        self.__exit__()
+        self.stop()
         withdraw_in_flight(self.store, self.producer)
+
+    def _count(self) -> Counter:
+        groups = Counter()
+        for chunk in list(self.chunks):  # a copy: the loop changes the list
+            if not chunk.future.wrapped_future.done():
+                groups[chunk.version] += chunk.groups
+        return groups
 
     def _refresh(self) -> None:
         while not self._stop.wait(self.refresh_seconds):
@@ -268,7 +283,9 @@ class InFlightReport:
                 if self.published is None:
                     continue
                 try:
-                    publish_in_flight(self.store, self.producer, self.published)
+                    groups = self._count()
+                    publish_in_flight(self.store, self.producer, groups)
+                    self.published = groups
                 except Exception as err:  # storage trouble: the next refresh, well within the lifetime, tries again
                     print(f"{self.producer}: could not refresh its in-flight record: {err!r}")
 

@@ -29,7 +29,7 @@ from configs.schema import RunConfig, StorageConfig
 from flows.pipeline import pipeline, score_newest_snapshot
 from infra.storage import open_run_store
 from tasks.checkpoints import latest_checkpoint_step
-from tasks.evaluation import evaluation_setup
+from tasks.evaluation import same_setup
 from tasks.metrics import read_metrics
 from tasks.promotion import promote_if_better, read_promoted
 from tasks.rundir import CONFIG_KEY, RunConflict, check_recorded_config, load_run_config
@@ -91,12 +91,11 @@ def _bar(config: RunConfig, store, source_store, version: int, summary: dict) ->
     Not merely where this retrain started (its opening score): a retrain that made the policy
     worse would lower the bar for the next, which could then promote a model worse than one the
     run had. For a successor the records include its v0's score, the source's snapshot."""
-    setup = evaluation_setup(config)
     scores = [
         record["score"]
         for records_of in {store.url: store, source_store.url: source_store}.values()
         for record in read_metrics(records_of, "evaluation")
-        if record.get("event") == "evaluation" and record.get("setup") == setup
+        if record.get("event") == "evaluation" and same_setup(record, config)
         and not (records_of.url == store.url and record.get("version") == version)
     ]  # fmt: skip
     return max(scores, default=summary["eval_before"] if summary["eval_before"] is not None else -float("inf"))

@@ -52,7 +52,12 @@ _CHUNK = 8 * 2**20
 
 
 class ManifestError(Exception):
-    """A directory does not match its manifest, or the manifest itself is missing or invalid."""
+    """A directory does not match its manifest, or the manifest itself is missing or invalid.
+
+    `manifest_digest`: sha256 of the manifest bytes the check was made against, when it got that
+    far (`fetch_directory`): which commit of the directory failed, read once, by the reader."""
+
+    manifest_digest: str | None = None
 
 
 def sha256_file(path: Path) -> str:
@@ -156,6 +161,14 @@ def fetch_directory(store: RunStore, prefix: str, local_dir: Path) -> dict[str, 
     local_dir = Path(local_dir)
     stored_sizes = store.sizes(prefix)  # one listing for the manifest's size and every file's
     data = _read_manifest_bytes(store, prefix, stored_sizes)
+    try:
+        return _fetch_committed(store, prefix, local_dir, stored_sizes, data)
+    except ManifestError as err:
+        err.manifest_digest = hashlib.sha256(data).hexdigest()
+        raise
+
+
+def _fetch_committed(store: RunStore, prefix: str, local_dir: Path, stored_sizes: dict[str, int], data: bytes) -> dict[str, Any]:
     manifest = parse_manifest(data)
     if _is_verified_copy(local_dir, data):
         return manifest

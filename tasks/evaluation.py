@@ -35,6 +35,14 @@ def evaluation_setup(config: RunConfig) -> str:
     return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+def same_setup(record: dict, config: RunConfig) -> bool:
+    """Whether an evaluation record was made under `config`'s setup. A record from before
+    setups were recorded counts if its prompt count matches, as all records did then."""
+    if "setup" not in record:
+        return record.get("prompts") == config.env.eval_prompts
+    return record["setup"] == evaluation_setup(config)
+
+
 async def evaluate(client: EngineClient, model_dir: Path, config: RunConfig, version: int, concurrency: int = 64) -> dict:
     """Score `version` (its snapshot in `model_dir`, already loaded in the engines behind
     `client`) on the held-out prompts. Turns end on the same tokens as in training: the

@@ -135,13 +135,12 @@ def _committed_shard(store, spec: GroupSpec) -> str | None:
     """The key of this producer's shard for this slot if a previous attempt committed it.
 
     A shard's key carries its rollouts' own policy version, the engines' report: from
-    `loaded_version` up, or the older version of an engine that failed a load (it keeps serving
-    its own weights), so those are looked at too. Searching from `loaded_version` alone missed
-    that commit, and a retry on an engine that had loaded since committed the slot a second
-    time, under another key."""
+    `loaded_version` up, or older on an engine that failed a load (it keeps serving its own
+    weights; a load that timed out may have finished later, so anything from the oldest the
+    fleet recorded). Searching from `loaded_version` alone missed that commit, and a retry on an
+    engine that had loaded since committed the slot a second time, under another key."""
     newest = latest_version(store) or 0
-    behind = {v for v in spec.engine_versions if v < spec.loaded_version}
-    for version in sorted(behind) + list(range(spec.loaded_version, newest + 1)):
+    for version in range(min((*spec.engine_versions, spec.loaded_version)), newest + 1):
         key = shard_key(version, spec.producer, spec.slot)
         if store.exists(key):
             return key
@@ -279,8 +278,8 @@ class Generator:
         except ManifestError as err:
             if newest not in snapshot_versions(self.store):
                 return None  # withdrawn meanwhile (tasks/lag.py `reopen_run`): LATEST says what replaces it
-            self.rejected_snapshots[newest] = manifest_digest(self.store, newest)
-            report_rejected(self.store, self.producer, newest, self.rejected_snapshots[newest], str(err))
+            self.rejected_snapshots[newest] = err.manifest_digest  # the commit checked, not one made since
+            report_rejected(self.store, self.producer, newest, err.manifest_digest, str(err))
             raise SnapshotRejected(newest, str(err)) from err
         fetched = time.monotonic()
         paused = while_loading is not None and self.fleet.pause()

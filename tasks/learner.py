@@ -27,6 +27,7 @@ the future and generated again.
 from __future__ import annotations
 
 import json
+import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -51,11 +52,14 @@ from tasks.loss import group_advantages
 from tasks.metrics import MetricsLog
 from tasks.shards import list_shards, parse_shard_key, quarantined_keys, read_valid_shards, table_to_rollouts
 from tasks.snapshots import (
-    apply_retention, latest_version, manifest_digest, publish_snapshot, recommit_snapshot, rejection_reports, snapshot_versions,
+    apply_retention, latest_version, load_snapshot, manifest_digest, publish_snapshot, recommit_snapshot, rejection_reports,
+    snapshot_versions,
 )  # fmt: skip
 from tasks.trainer import Trainer, build_batch
 
 LEDGER_KEY = "lag/ledger.json"
+MAX_RECOMMITS = 3
+"""How many times the trainer commits one version again after generators found it damaged."""
 LATE_CHECK_SECONDS = 5.0
 """How often a waiting trainer looks for groups reported late: also at the start of every admit,
 so a late group is counted lost within a step, or within this while the trainer waits (a stall
@@ -109,6 +113,8 @@ class Learner:
         self.busy_seconds = 0.0
         self.wait_seconds = 0.0
         """How long the last admit_batch took: the idle interval before the step."""
+        self.recommits: Counter[int] = Counter()
+        """Version -> times committed again after generators found it damaged."""
         self._unfinished: tuple[set[str], dict] | None = None
         """The shards and figures of a step applied whose publish or checkpoint has not succeeded."""
         self.poll_seconds = 0.0
@@ -288,22 +294,48 @@ class Learner:
 
     def _repair_rejected_snapshots(self) -> None:
         """Answer the generators' reports of a snapshot damaged after its commit
-        (tasks/snapshots.py): the newest snapshot, whose engines the lag bound may need, is
+        (tasks/snapshots.py). Without an answer the generators kept their older weights, and
+        where the bound needs the newest (at max_lag 0, every batch does) the run waited for good.
+
+        Only a report of the newest snapshot's current commit counts (an older version is
+        superseded, a newer commit answers it already), and only once the trainer has checked
+        the stored snapshot itself: one that verifies is a generator's own trouble (its disk, its
+        network), and committing it again would only break the others' fetches. A damaged one is
         committed again if the trainer is still at its version, else the trainer publishes its
-        own version now. Without it the generators kept their older weights, and where the bound
-        needs the newest (at max_lag 0, every batch does) the run waited for good."""
+        own version now; at most `MAX_RECOMMITS` times a version. LATEST naming a snapshot with no
+        manifest is a re-commit that failed half-way (storage down): it is made again. A report
+        is deleted once answered, and only if no generator rewrote it meanwhile."""
         for key, report in rejection_reports(self.store).items():
-            if report is not None and report["version"] == latest_version(self.store) \
-                    and manifest_digest(self.store, report["version"]) == report.get("manifest"):  # fmt: skip
-                rejected = report["version"]
-                if self.version == rejected:
-                    recommit_snapshot(self.store, self.trainer.model, self.tokenizer, rejected, report.get("manifest"), self.publish_dtype)
-                else:
-                    publish_snapshot(self.store, self.trainer.model, self.tokenizer, self.version, dtype=self.publish_dtype)
-                print(f"snapshot v{rejected} was found damaged ({str(report.get('reason'))[:200]}); "
-                      f"published v{self.version} {'again' if self.version == rejected else 'in its place'}")  # fmt: skip
-                self.metrics.log("snapshot_republished", rejected=rejected, version=self.version, reason=str(report.get("reason"))[:500])
-            self.store.delete(key)  # answered, superseded by a newer snapshot, or already committed again
+            if report is not None and report["version"] == latest_version(self.store):
+                rejected, current = report["version"], manifest_digest(self.store, report["version"])
+                if current is None or (current == report.get("manifest") and not self._snapshot_verifies(rejected)):
+                    self._replace_snapshot(rejected, report)
+            if rejection_reports(self.store).get(key) == report:
+                self.store.delete(key)
+
+    def _snapshot_verifies(self, version: int) -> bool:
+        self.cache_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix="verify-", dir=self.cache_dir) as temp:
+            try:
+                load_snapshot(self.store, Path(temp) / "snapshot", version)
+            except ManifestError:
+                return False
+        print(f"snapshot v{version}, reported damaged by a generator, verifies here: the trouble is that generator's")
+        return True
+
+    def _replace_snapshot(self, rejected: int, report: dict) -> None:
+        self.recommits[rejected] += 1
+        if self.recommits[rejected] > MAX_RECOMMITS:
+            print(f"snapshot v{rejected} was found damaged again after {MAX_RECOMMITS} new commits: not committed again; "
+                  "is the storage corrupting what it stores?")  # fmt: skip
+            return
+        if self.version == rejected:
+            recommit_snapshot(self.store, self.trainer.model, self.tokenizer, rejected, report.get("manifest"), self.publish_dtype)
+        else:
+            publish_snapshot(self.store, self.trainer.model, self.tokenizer, self.version, dtype=self.publish_dtype)
+        print(f"snapshot v{rejected} was found damaged ({str(report.get('reason'))[:200]}); "
+              f"published v{self.version} {'again' if self.version == rejected else 'in its place'}")  # fmt: skip
+        self.metrics.log("snapshot_republished", rejected=rejected, version=self.version, reason=str(report.get("reason"))[:500])
 
     def _drop_stale(self, keys: list[str]) -> None:
         """Dispose of shards past the lag bound: as stale, or as a duplicate if their group was

@@ -23,7 +23,7 @@ from tasks.generator import Generator, generate_group, snapshot_dir_for_engines
 from tasks.lag import TrainerState, admission_capacity, publish_trainer_state
 from tasks.rundir import initialize_run
 from tasks.shards import list_shards
-from tasks.snapshots import LATEST_KEY, publish_snapshot_dir, snapshot_prefix, withdraw_after
+from tasks.snapshots import LATEST_KEY, load_snapshot, publish_snapshot_dir, snapshot_prefix, withdraw_after
 
 pytestmark = pytest.mark.slow  # every test starts an engine
 
@@ -228,7 +228,10 @@ def test_an_engine_that_failed_a_load_is_loaded_again(generator, monkeypatch):
     gen, store = generator
     _publish_v1(gen, store)
     assert gen.refresh_weights() and gen.fleet.engine_versions == [1]
-    gen.fleet.engine_versions[0] = 0  # as the fleet records a load the engine failed,
+    v0 = load_snapshot(store, gen.cache_dir / "v0-again", 0)  # the engine back on v0, as if it had failed the load:
+    assert httpx.post(gen.fleet.urls[0] + "/update_weights_from_disk", json={"model_path": str(v0), "weight_version": "0"},
+                      timeout=30).json()["success"]  # fmt: skip
+    gen.fleet.engine_versions[0] = 0  # as the fleet records a failed load,
     gen._reloaded_at = time.monotonic()  # and refresh_weights the failure
     assert gen.refresh_weights() is None and gen.fleet.engine_versions == [0], "not before RELOAD_RETRY_SECONDS"
     monkeypatch.setattr("tasks.generator.RELOAD_RETRY_SECONDS", 0.0)

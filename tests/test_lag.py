@@ -10,6 +10,8 @@ import itertools
 import json
 import time
 from collections import Counter
+from concurrent.futures import Future
+from types import SimpleNamespace
 
 import pytest
 from hypothesis import given, settings
@@ -141,13 +143,19 @@ def test_in_flight_records_add_up_over_live_generators_and_ignore_dead_ones(file
 
 def test_a_generators_in_flight_record_stays_fresh_while_its_loop_is_held_up(file_store):
     """The record is refreshed by a thread: a weight load or engine restart longer than the
-    record's lifetime must not make a generator with groups in flight look dead."""
+    record's lifetime must not make a generator with groups in flight look dead, and a chunk that
+    finishes meanwhile leaves the count, though the held-up loop has not taken it off yet."""
     def published_at() -> float:
         return json.loads(file_store.read_bytes(f"{IN_FLIGHT_PREFIX}/gen0.json"))["at"]
 
-    with InFlightReport(file_store, "gen0", refresh_seconds=0.05) as report:
-        report.maybe_publish([_Chunk(future=None, version=3, groups=2)])
+    running, finishing = Future(), Future()
+    chunks = [_Chunk(SimpleNamespace(wrapped_future=running), version=3, groups=2),
+              _Chunk(SimpleNamespace(wrapped_future=finishing), version=4, groups=5)]  # fmt: skip
+    with InFlightReport(file_store, "gen0", chunks, refresh_seconds=0.05) as report:
+        report.maybe_publish()
         first = published_at()
+        assert groups_in_flight(file_store) == {3: 2, 4: 5}
+        finishing.set_result(None)
         time.sleep(0.3)  # the loop held up: no maybe_publish
         assert published_at() > first, "refreshed without the loop"
         assert groups_in_flight(file_store) == {3: 2}

@@ -351,8 +351,10 @@ def test_a_snapshot_the_generators_found_damaged_is_committed_again(tmp_path: Pa
     store = learner.store
     publish_snapshot(store, learner.trainer.model, learner.tokenizer, 0)
     damaged = manifest_digest(store, 0)
+    weights = store.local_path(f"{snapshot_prefix(0)}/model.safetensors")
+    weights.write_bytes(weights.read_bytes()[:-8])
     for generator in ("gen0", "gen1"):
-        report_rejected(store, generator, 0, damaged, "model.safetensors: sha256 mismatch")
+        report_rejected(store, generator, 0, damaged, "model.safetensors: size mismatch")
     learner._repair_rejected_snapshots()
     assert manifest_digest(store, 0) not in (None, damaged)
     assert read_manifest(store, snapshot_prefix(0))["extra"] == {"version": 0, "replaces": damaged}
@@ -361,9 +363,38 @@ def test_a_snapshot_the_generators_found_damaged_is_committed_again(tmp_path: Pa
     load_snapshot(store, tmp_path / "verified", 0)
 
 
+def test_a_snapshot_reported_damaged_that_verifies_is_left_alone(tmp_path: Path):
+    """One generator's own trouble (its disk, its network) must not have the trainer delete and
+    commit again a snapshot the others are loading."""
+    from tasks.snapshots import manifest_digest, rejection_reports, report_rejected
+
+    learner = make_learner(tmp_path)
+    store = learner.store
+    publish_snapshot(store, learner.trainer.model, learner.tokenizer, 0)
+    good = manifest_digest(store, 0)
+    report_rejected(store, "gen0", 0, good, "model.safetensors: sha256 mismatch")
+    learner._repair_rejected_snapshots()
+    assert manifest_digest(store, 0) == good and rejection_reports(store) == {}
+
+
+def test_a_recommit_that_failed_half_way_is_made_again(tmp_path: Path):
+    """Storage went down between the deletion and the new commit: LATEST names a snapshot with no
+    manifest, which no generator can ever load. The report is still there; answered again, the
+    snapshot is committed."""
+    from tasks.snapshots import _delete_snapshot, manifest_digest, rejection_reports, report_rejected
+
+    learner = make_learner(tmp_path)
+    store = learner.store
+    publish_snapshot(store, learner.trainer.model, learner.tokenizer, 0)
+    report_rejected(store, "gen0", 0, manifest_digest(store, 0), "model.safetensors: truncated")
+    _delete_snapshot(store, 0)
+    learner._repair_rejected_snapshots()
+    assert snapshot_versions(store) == [0] and rejection_reports(store) == {}
+
+
 def test_a_trainer_past_the_damaged_snapshot_publishes_its_own_version_in_its_place(tmp_path: Path):
     """With publish_every 2 the trainer is at v1 while v0 is the newest snapshot: it publishes v1."""
-    from tasks.snapshots import manifest_digest, rejection_reports, report_rejected
+    from tasks.snapshots import manifest_digest, rejection_reports, report_rejected, snapshot_prefix
 
     learner = make_learner(tmp_path, "training.publish_every=2")
     store = learner.store
@@ -372,6 +403,8 @@ def test_a_trainer_past_the_damaged_snapshot_publishes_its_own_version_in_its_pl
         write_group(learner, f"s{slot:08d}", seq=slot)
     learner.train_step(learner.admit_batch(poll_seconds=0.01))
     assert learner.version == 1 and snapshot_versions(store) == [0]
+    weights = store.local_path(f"{snapshot_prefix(0)}/model.safetensors")
+    weights.write_bytes(weights.read_bytes()[:-8])
     report_rejected(store, "gen0", 0, manifest_digest(store, 0), "model.safetensors: truncated")
     learner._repair_rejected_snapshots()
     assert snapshot_versions(store) == [0, 1] and latest_version(store) == 1

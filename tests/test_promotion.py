@@ -87,3 +87,17 @@ def test_a_recorded_score_is_reused_only_under_the_same_evaluation_setup(file_st
     MetricsLog(file_store, "evaluation", flush_seconds=0).log("evaluation", version=0, score=0.3, prompts=8, setup=evaluation_setup(config))
     assert recorded_score(config, file_store, 0)["score"] == 0.3
     assert recorded_score(overridden, file_store, 0)["score"] == 0.9
+
+
+def test_records_from_before_setups_were_recorded_count_by_their_prompt_count(file_store):
+    """A run evaluated before this digest existed: its scores still set the bar (a successor
+    finished then, compared now, was otherwise promoted whatever it scored)."""
+    from configs.schema import RunConfig
+    from flows.retrain import _bar
+    from tasks.metrics import MetricsLog
+
+    config = RunConfig.model_validate({"env": {"eval_prompts": 8}})
+    records = MetricsLog(file_store, "evaluation", flush_seconds=0)
+    records.log("evaluation", version=0, score=0.6, prompts=8)
+    records.log("evaluation", version=1, score=0.9, prompts=4)
+    assert _bar(config, file_store, file_store, 5, {"eval_before": None}) == 0.6

@@ -181,6 +181,9 @@ def test_api_key_is_masked_in_repr_and_logged_command(tmp_path: Path, monkeypatc
     assert not proc.config_file.exists(), "the secret file outlives the start"
     assert "--config" in caplog.text and SECRET not in caplog.text
     assert proc.start_timeout == 900.0, "a first SGLang start compiles and captures graphs"
+    proc.launch()
+    proc.stop()  # as EngineFleet.start does when another engine's launch or wait fails
+    assert not proc.config_file.exists(), "a launched engine stopped before its wait leaves no key file"
 
 
 def test_a_failed_start_shows_the_log_tail_with_the_key_masked(tmp_path: Path, monkeypatch):

@@ -34,7 +34,7 @@ API_KEY_ENV = "TANDEM_ENGINE_API_KEY"
 class EngineProcess:
     """One engine server process listening on `url`."""
 
-    start_timeout = 120.0
+    start_timeout = 300.0
     """How long a start waits for /health by default."""
 
     def __init__(self, command: list[str], url: str, log_path: Path, env: dict[str, str] | None = None, guard: bool = False):

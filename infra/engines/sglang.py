@@ -158,6 +158,14 @@ class SGLangEngineProcess(EngineProcess):
         finally:
             self._remove_secret_config()
 
+    def stop(self, grace: float = 20.0) -> None:
+        """Stop it, and remove the key's config file if a start that failed elsewhere (another
+        engine of its fleet) left it there."""
+        try:
+            super().stop(grace)
+        finally:
+            self._remove_secret_config()
+
     def _remove_secret_config(self) -> None:
         if self.config_file is not None:
             self.config_file.unlink(missing_ok=True)
