@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from types import UnionType
 from typing import Annotated, Any, Union, get_args, get_origin
+from urllib.parse import urlsplit
 
 from pydantic import AfterValidator, Field, SecretStr
 
@@ -88,3 +89,15 @@ def takes_a_number_not_a_boolean(annotation: Any) -> bool:
 
 def is_run_id(text: str) -> bool:
     return len(text) <= 64 and re.fullmatch(RUN_ID_FORM, text) is not None
+
+
+def _http_url(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ValueError(f"endpoint_url must be an http:// or https:// URL such as http://127.0.0.1:8333, got {url!r}")
+    return url
+
+
+EndpointUrl = Annotated[str, AfterValidator(_http_url), Field(json_schema_extra={"pattern": r"^https?://[^/\s]+"})]
+"""An S3 endpoint URL. botocore refuses anything else only at the first request, as a traceback
+on whichever machine makes it (a deployed run's worker)."""

@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import math
 import re
-from urllib.parse import urlsplit
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationInfo, field_validator, model_validator
 
 from configs.fields import (
     BLOCK_NAME_FORM, DEPLOYMENT_NAME_FORM, ENTRYPOINT_FORM, MAX_GENERATION_RUNS, MAX_SLOTS, ROOT_PATTERN, RUN_ID_FORM, TRAINER_DEVICE_FORM,
-    Credential, TopK, is_run_id, takes_a_number_not_a_boolean, whole_text_pattern,
+    Credential, EndpointUrl, TopK, is_run_id, takes_a_number_not_a_boolean, whole_text_pattern,
 )  # fmt: skip
 
 class Section(BaseModel):
@@ -231,7 +230,7 @@ class StorageConfig(Section):
 
     root: str = Field("file://./runs", json_schema_extra={"pattern": ROOT_PATTERN})
     """URL under which each run gets {root}/{run_id}/."""
-    endpoint_url: str | None = Field(None, json_schema_extra={"pattern": r"^https?://[^/\s]+"})
+    endpoint_url: EndpointUrl | None = None
     """S3 endpoint URL (MinIO, SeaweedFS, ...), http:// or https://; null means AWS or $AWS_ENDPOINT_URL."""
     key: Credential = None
     """S3 access key, given with `secret` or not at all; null: credentials_block, else $AWS_ACCESS_KEY_ID."""
@@ -257,17 +256,6 @@ class StorageConfig(Section):
         if scheme == "s3" and not rest.strip("/"):
             raise ValueError(f"root must name a bucket, like s3://BUCKET or s3://BUCKET/PREFIX, got {root!r}")
         return f"{scheme}://{rest.rstrip('/') or rest[:1]}"  # trailing slashes off; file:/// stays /
-
-    @field_validator("endpoint_url")
-    @classmethod
-    def _endpoint_is_a_url(cls, url: str | None) -> str | None:
-        """botocore refuses anything else only when the first request is made, as a traceback on
-        whichever machine makes it (a deployed run's worker)."""
-        if url is not None:
-            parts = urlsplit(url)
-            if parts.scheme not in ("http", "https") or not parts.netloc:
-                raise ValueError(f"endpoint_url must be an http:// or https:// URL such as http://127.0.0.1:8333, got {url!r}")
-        return url
 
     @model_validator(mode="after")
     def _key_with_secret(self) -> StorageConfig:
