@@ -58,6 +58,8 @@ from tasks.snapshots import (
 from tasks.trainer import Trainer, build_batch
 
 LEDGER_KEY = "lag/ledger.json"
+REPAIR_AFTER_WAIT_SECONDS = 20.0
+"""How long an admission waits before the trainer answers reports of a damaged snapshot."""
 MAX_RECOMMITS = 3
 """How many times the trainer commits one version again after generators found it damaged."""
 LATE_CHECK_SECONDS = 5.0
@@ -115,6 +117,8 @@ class Learner:
         """How long the last admit_batch took: the idle interval before the step."""
         self.recommits: Counter[int] = Counter()
         """Version -> times committed again after generators found it damaged."""
+        self.verified_snapshots: set[str] = set()
+        """Manifest digests of snapshots reported damaged that verified here."""
         self._unfinished: tuple[set[str], dict] | None = None
         """The shards and figures of a step applied whose publish or checkpoint has not succeeded."""
         self.poll_seconds = 0.0
@@ -172,7 +176,7 @@ class Learner:
                 return None
             if time.monotonic() - late_checked >= LATE_CHECK_SECONDS:
                 self._drop_late()
-                self._repair_rejected_snapshots()
+                self._repair_rejected_snapshots(waited=time.monotonic() - started)
                 late_checked = time.monotonic()
             if self.ledger.lost_groups != shared_losses:
                 # Generators may replace a lost group as soon as they know of it: at max_lag 0 the
@@ -292,28 +296,34 @@ class Learner:
                 if key not in self.ledger.disposed and lag_of(self.version, parse_shard_key(key).version) > max_lag]  # fmt: skip
         self._drop_stale(late)
 
-    def _repair_rejected_snapshots(self) -> None:
+    def _repair_rejected_snapshots(self, waited: float) -> None:
         """Answer the generators' reports of a snapshot damaged after its commit
         (tasks/snapshots.py). Without an answer the generators kept their older weights, and
         where the bound needs the newest (at max_lag 0, every batch does) the run waited for good.
 
         Only a report of the newest snapshot's current commit counts (an older version is
-        superseded, a newer commit answers it already), and only once the trainer has checked
-        the stored snapshot itself: one that verifies is a generator's own trouble (its disk, its
-        network), and committing it again would only break the others' fetches. A damaged one is
-        committed again if the trainer is still at its version, else the trainer publishes its
-        own version now; at most `MAX_RECOMMITS` times a version. LATEST naming a snapshot with no
-        manifest is a re-commit that failed half-way (storage down): it is made again. A report
-        is deleted once answered, and only if no generator rewrote it meanwhile."""
+        superseded, a newer commit answers it already), once this admission has `waited`
+        `REPAIR_AFTER_WAIT_SECONDS`: a trainer that gets its batches needs no answer. And only
+        once the trainer has checked the stored snapshot itself (a whole read: once a commit):
+        one that verifies is a generator's own trouble (its disk, its network), and committing it
+        again would only break the others' fetches. A damaged one is committed again if the
+        trainer is still at its version, else the trainer publishes its own version now; at most
+        `MAX_RECOMMITS` times a version. LATEST naming a snapshot with no manifest is a re-commit
+        that failed half-way (storage down): it is made again. A report is deleted once answered,
+        and only if no generator rewrote it meanwhile."""
         for key, report in rejection_reports(self.store).items():
             if report is not None and report["version"] == latest_version(self.store):
+                if waited < REPAIR_AFTER_WAIT_SECONDS:
+                    continue
                 rejected, current = report["version"], manifest_digest(self.store, report["version"])
-                if current is None or (current == report.get("manifest") and not self._snapshot_verifies(rejected)):
+                if current is None or (current == report.get("manifest") and not self._snapshot_verifies(rejected, current)):
                     self._replace_snapshot(rejected, report)
             if rejection_reports(self.store).get(key) == report:
                 self.store.delete(key)
 
-    def _snapshot_verifies(self, version: int) -> bool:
+    def _snapshot_verifies(self, version: int, digest: str) -> bool:
+        if digest in self.verified_snapshots:
+            return True
         self.cache_dir.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(prefix="verify-", dir=self.cache_dir) as temp:
             try:
@@ -321,6 +331,7 @@ class Learner:
             except ManifestError:
                 return False
         print(f"snapshot v{version}, reported damaged by a generator, verifies here: the trouble is that generator's")
+        self.verified_snapshots.add(digest)
         return True
 
     def _replace_snapshot(self, rejected: int, report: dict) -> None:

@@ -355,7 +355,9 @@ def test_a_snapshot_the_generators_found_damaged_is_committed_again(tmp_path: Pa
     weights.write_bytes(weights.read_bytes()[:-8])
     for generator in ("gen0", "gen1"):
         report_rejected(store, generator, 0, damaged, "model.safetensors: size mismatch")
-    learner._repair_rejected_snapshots()
+    learner._repair_rejected_snapshots(waited=1.0)
+    assert manifest_digest(store, 0) == damaged and len(rejection_reports(store)) == 2, "a trainer that gets batches waits"
+    learner._repair_rejected_snapshots(waited=60.0)
     assert manifest_digest(store, 0) not in (None, damaged)
     assert read_manifest(store, snapshot_prefix(0))["extra"] == {"version": 0, "replaces": damaged}
     assert rejection_reports(store) == {}
@@ -373,7 +375,7 @@ def test_a_snapshot_reported_damaged_that_verifies_is_left_alone(tmp_path: Path)
     publish_snapshot(store, learner.trainer.model, learner.tokenizer, 0)
     good = manifest_digest(store, 0)
     report_rejected(store, "gen0", 0, good, "model.safetensors: sha256 mismatch")
-    learner._repair_rejected_snapshots()
+    learner._repair_rejected_snapshots(waited=60.0)
     assert manifest_digest(store, 0) == good and rejection_reports(store) == {}
 
 
@@ -388,7 +390,7 @@ def test_a_recommit_that_failed_half_way_is_made_again(tmp_path: Path):
     publish_snapshot(store, learner.trainer.model, learner.tokenizer, 0)
     report_rejected(store, "gen0", 0, manifest_digest(store, 0), "model.safetensors: truncated")
     _delete_snapshot(store, 0)
-    learner._repair_rejected_snapshots()
+    learner._repair_rejected_snapshots(waited=60.0)
     assert snapshot_versions(store) == [0] and rejection_reports(store) == {}
 
 
@@ -406,6 +408,6 @@ def test_a_trainer_past_the_damaged_snapshot_publishes_its_own_version_in_its_pl
     weights = store.local_path(f"{snapshot_prefix(0)}/model.safetensors")
     weights.write_bytes(weights.read_bytes()[:-8])
     report_rejected(store, "gen0", 0, manifest_digest(store, 0), "model.safetensors: truncated")
-    learner._repair_rejected_snapshots()
+    learner._repair_rejected_snapshots(waited=60.0)
     assert snapshot_versions(store) == [0, 1] and latest_version(store) == 1
     assert rejection_reports(store) == {}
