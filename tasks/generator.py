@@ -62,8 +62,8 @@ class GroupSpec:
     producer: str
     loaded_version: int
     engine_urls: tuple[str, ...]
-    engine_versions: tuple[int, ...]
-    """The version each engine served when the group was handed out (`_committed_shard`)."""
+    oldest_engine_version: int
+    """The oldest version an engine served when the group was handed out (`_committed_shard`)."""
     run_id: str
     storage: StorageConfig
     env_entrypoint: str
@@ -140,7 +140,7 @@ def _committed_shard(store, spec: GroupSpec) -> str | None:
     fleet recorded). Searching from `loaded_version` alone missed that commit, and a retry on an
     engine that had loaded since committed the slot a second time, under another key."""
     newest = latest_version(store) or 0
-    for version in range(min((*spec.engine_versions, spec.loaded_version)), newest + 1):
+    for version in range(min(spec.oldest_engine_version, spec.loaded_version), newest + 1):
         key = shard_key(version, spec.producer, spec.slot)
         if store.exists(key):
             return key
@@ -363,7 +363,7 @@ class Generator:
         return GroupSpec(
             slot=slot, prompt=self.prompts[slot % len(self.prompts)], producer=self.producer,
             loaded_version=self.loaded_version, engine_urls=tuple(self.fleet.urls),
-            engine_versions=tuple(self.fleet.engine_versions), run_id=cfg.run_id,
+            oldest_engine_version=min(self.fleet.engine_versions), run_id=cfg.run_id,
             storage=cfg.storage, env_entrypoint=cfg.env.entrypoint, env_kwargs=dict(cfg.env.kwargs),
             max_turns=cfg.env.max_turns, samples=gen.samples_per_prompt, sampling=sampling,
             context_length=cfg.model.max_position_embeddings, api_key=self.fleet.api_key,

@@ -52,8 +52,8 @@ from tasks.loss import group_advantages
 from tasks.metrics import MetricsLog
 from tasks.shards import list_shards, parse_shard_key, quarantined_keys, read_valid_shards, table_to_rollouts
 from tasks.snapshots import (
-    apply_retention, latest_version, load_snapshot, manifest_digest, publish_snapshot, recommit_snapshot, rejection_reports,
-    snapshot_versions,
+    apply_retention, latest_version, load_snapshot, manifest_digest, publish_snapshot, read_rejection_report, recommit_snapshot,
+    rejection_reports, snapshot_versions,
 )  # fmt: skip
 from tasks.trainer import Trainer, build_batch
 
@@ -318,8 +318,11 @@ class Learner:
                 rejected, current = report["version"], manifest_digest(self.store, report["version"])
                 if current is None or (current == report.get("manifest") and not self._snapshot_verifies(rejected, current)):
                     self._replace_snapshot(rejected, report)
-            if rejection_reports(self.store).get(key) == report:
-                self.store.delete(key)
+            try:
+                if read_rejection_report(self.store, key) == report:  # not rewritten meanwhile
+                    self.store.delete(key)
+            except FileNotFoundError:
+                pass
 
     def _snapshot_verifies(self, version: int, digest: str) -> bool:
         if digest in self.verified_snapshots:

@@ -279,13 +279,19 @@ def rejection_reports(store: RunStore) -> dict[str, dict | None]:
     reports: dict[str, dict | None] = {}
     for key in store.list(REJECTED):
         try:
-            record = json.loads(store.read_bytes(key))
-            reports[key] = record if isinstance(record, dict) and type(record.get("version")) is int else None
+            reports[key] = read_rejection_report(store, key)
         except FileNotFoundError:  # handled since the listing
             continue
-        except ValueError:
-            reports[key] = None
     return reports
+
+
+def read_rejection_report(store: RunStore, key: str) -> dict | None:
+    """The report at `key`; None if it does not parse."""
+    try:
+        record = json.loads(store.read_bytes(key))
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) and type(record.get("version")) is int else None
 
 
 def recommit_snapshot(store: RunStore, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, version: int,
