@@ -176,9 +176,9 @@ class TrainingConfig(Section):
     micro_batch_size: int | None = Field(None, ge=1, le=65536)
     """Sequences per forward and backward pass, gradients accumulated over the batch (the same
     step, in less memory: prompts_per_step x samples_per_prompt sequences at once do not fit a
-    real model's GPU); null: the whole batch in one pass."""
+    real model's GPU); null: the whole batch in one pass (4 with model.path)."""
     lr: float = Field(1e-4, gt=0, le=1)
-    """AdamW learning rate of the RL phase."""
+    """AdamW learning rate of the RL phase (1e-6 with model.path)."""
     weight_decay: float = Field(0.0, ge=0, le=1)
     """AdamW weight decay."""
     grad_clip: float = Field(1.0, gt=0, le=1e6)
@@ -194,9 +194,9 @@ class TrainingConfig(Section):
     entropy_coef: float = Field(0.0, ge=0, le=100)
     """Weight of the entropy bonus; 0 disables it."""
     warmup_steps: int = Field(55, ge=0, le=1_000_000)
-    """Supervised warm-start steps before RL (a random-init model gets no reward otherwise)."""
+    """Supervised warm-start steps before RL (a random-init model gets no reward otherwise; 0 with model.path)."""
     warmup_lr: float = Field(1e-3, gt=0, le=1)
-    """Learning rate of the supervised warm-start."""
+    """Learning rate of the supervised warm-start (1e-5 with model.path)."""
     publish_every: int = Field(1, ge=1, le=1_000_000)
     """Publish a weight snapshot every this many steps."""
     checkpoint_every: int = Field(10, ge=1, le=1_000_000)
@@ -216,6 +216,11 @@ class TrainingConfig(Section):
         if not re.fullmatch(TRAINER_DEVICE_FORM, device):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N (N a GPU index), got {device!r}")
         return device
+
+
+PRETRAINED_TRAINING_DEFAULTS = {"lr": 1e-6, "warmup_steps": 0, "warmup_lr": 1e-5, "micro_batch_size": 4}
+"""TrainingConfig's defaults for a run that starts from model.path (RunConfig._pretrained_defaults):
+learning rates of the order full-parameter GRPO uses on pretrained models, no warm-start."""
 
 
 class LagConfig(Section):
@@ -367,6 +372,25 @@ class RunConfig(Section):
     """The Dask cluster for episodes."""
     prefect: PrefectConfig = Field(default_factory=PrefectConfig)
     """How the flows are run."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _pretrained_defaults(cls, data: Any) -> Any:
+        """Training defaults for a `model.path` model where the config leaves them out. The plain
+        defaults fit the factory's random-init model; on pretrained weights a warm-start of 55
+        steps at 1e-3 and RL at 1e-4 would overwrite what the model knows, and a batch of
+        128 sequences in one pass does not fit a GPU. Given values always win, and the run's
+        recorded config holds the values used."""
+        if not isinstance(data, dict):
+            return data
+        model, training = data.get("model"), data.get("training") or {}
+        path = model.path if isinstance(model, ModelConfig) else model.get("path") if isinstance(model, dict) else None
+        if path is None:
+            return data
+        if isinstance(training, TrainingConfig):
+            given = {name: getattr(training, name) for name in training.model_fields_set}
+            return data | {"training": training.model_copy(update=PRETRAINED_TRAINING_DEFAULTS | given)}
+        return data | {"training": PRETRAINED_TRAINING_DEFAULTS | training} if isinstance(training, dict) else data
 
     def secrets(self) -> dict[str, SecretStr]:
         """The credentials this config sets, by field path (`engine.api_key`)."""

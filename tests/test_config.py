@@ -12,6 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from configs import CONFIG_DIR, ConfigError, RunConfig, load_config
+from configs.schema import TrainingConfig
 from configs.loader import validate_config
 from flows.cli import app, resolve_config
 from tasks.rundir import initialize_run, load_run_config
@@ -318,3 +319,18 @@ def test_initialize_run_refuses_what_does_not_load_before_writing_anything(tmp_p
 def test_a_run_id_of_digits_is_a_name_in_yaml_as_on_the_command_line():
     assert load_config(CONFIG_DIR / "tiny.yaml", ["run_id=2024"]).run_id == "2024"
     assert RunConfig.model_validate({"run_id": 7}).run_id == "7"
+
+
+def test_a_pretrained_model_gets_its_own_training_defaults_and_given_values_win(tmp_path: Path):
+    config_file = tmp_path / "run.yaml"
+    config_file.write_text("run_id: qwen\nmodel:\n  path: /models/qwen\n")
+    pretrained = load_config(config_file)
+    given = load_config(config_file, ["training.lr=3e-6", "training.warmup_steps=5"])
+    assert (pretrained.training.lr, pretrained.training.warmup_steps, pretrained.training.micro_batch_size) == (1e-6, 0, 4)
+    assert (given.training.lr, given.training.warmup_steps, given.training.warmup_lr) == (3e-6, 5, 1e-5)
+    factory = RunConfig()
+    assert (factory.training.lr, factory.training.warmup_steps, factory.training.micro_batch_size) == (1e-4, 55, None)
+    built = RunConfig(model={"path": "/models/qwen"}, training=TrainingConfig(lr=2e-6))
+    assert (built.training.lr, built.training.warmup_steps) == (2e-6, 0)
+    recorded = RunConfig.model_validate_json(pretrained.model_dump_json())
+    assert recorded.training == pretrained.training
