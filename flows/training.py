@@ -16,7 +16,7 @@ from prefect import flow, task
 from prefect.cache_policies import NONE
 
 from configs.schema import RunConfig
-from infra.modelfactory import load_tokenizer, load_trainable_model
+from infra.modelfactory import load_reference_model, load_tokenizer, load_trainable_model
 from infra.scratch import scratch_dir
 from flows.ui import TrainingProgress, announce_snapshot, due_for_evaluation
 from infra.storage import RunStore, StorageUnavailable, open_run_store
@@ -24,7 +24,7 @@ from tasks.lag import TrainerState, publish_trainer_state, read_trainer_state, s
 from tasks.learner import Learner
 from tasks.lease import PipelineWatch
 from tasks.metrics import MetricsLog
-from tasks.placement import trainer_device
+from tasks.placement import autocast_dtype, trainer_device
 from tasks.snapshots import load_snapshot, pin_snapshot
 
 
@@ -94,7 +94,9 @@ def _train(config: RunConfig, store: RunStore, cache: Path, pipeline: PipelineWa
     initial = load_snapshot(store, cache / "weights", version=0)
     device = trainer_device(config)
     model, stored_dtype = load_trainable_model(initial, device)
-    reference = load_trainable_model(initial, device)[0] if config.training.kl_coef > 0 else None  # the KL term's anchor: v0, unchanged
+    reference = None
+    if config.training.kl_coef > 0:  # the KL term's anchor: v0, unchanged
+        reference = load_reference_model(initial, device, autocast_dtype(config.training, device))
     learner = Learner(config, store, model, load_tokenizer(initial), cache, MetricsLog(store, "trainer"),
                       ref_model=reference, publish_dtype=stored_dtype)  # fmt: skip
     precision = str(learner.trainer.compute_dtype or "float32").removeprefix("torch.")

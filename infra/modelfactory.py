@@ -161,6 +161,17 @@ def load_trainable_model(path: Path | str, device: torch.device | str = "cpu") -
     return model.to(device).float(), stored
 
 
+def load_reference_model(path: Path | str, device: torch.device | str, dtype: torch.dtype | None) -> PreTrainedModel:
+    """A frozen copy of the HF directory on `device` in `dtype` (None: float32): the KL term's
+    reference, which is only ever run forward. Under bfloat16 autocast its matmuls run in
+    bfloat16 whatever its weights' dtype, so a float32 copy would only double its memory (a 4B
+    model: 16 GB instead of 8 on the trainer's GPU)."""
+    import torch
+
+    model = load_model(path, dtype=dtype or torch.float32)
+    return model.to(device).eval().requires_grad_(False)
+
+
 def load_tokenizer(path: Path | str) -> PreTrainedTokenizerBase:
     """Load the tokenizer saved in an HF model directory.
 

@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from configs.schema import ModelConfig, TrainingConfig
-from infra.modelfactory import TASK_VOCABULARY, build_model, load_model, load_trainable_model, save_tiny_model
+from infra.modelfactory import (
+    TASK_VOCABULARY, build_model, load_model, load_reference_model, load_trainable_model, save_tiny_model,
+)
 from tasks.loss import policy_loss, token_logprobs
 from tasks.shards import Rollout, rollouts_to_table
 from tasks.trainer import Trainer, build_batch, build_supervised_batch
@@ -307,3 +309,16 @@ def test_micro_batches_make_the_same_step_as_the_whole_batch():
         for name, tensor in weights.items():
             torch.testing.assert_close(tensor, whole_weights[name], rtol=1e-4, atol=1e-6)
     assert whole["tokens"] == 7
+
+
+def test_the_reference_model_is_kept_frozen_in_the_passes_dtype(tmp_path: Path) -> None:
+    path = save_tiny_model(TINY.model_copy(update={"dtype": "bfloat16"}), tmp_path / "m", seed=0)
+    reference = load_reference_model(path, "cpu", torch.bfloat16)
+    assert {p.dtype for p in reference.parameters()} == {torch.bfloat16}
+    assert not any(p.requires_grad for p in reference.parameters()) and not reference.training
+    assert {p.dtype for p in load_reference_model(path, "cpu", None).parameters()} == {torch.float32}
+    model = load_trainable_model(path, "cpu")[0]
+    trainer = Trainer(model, TrainingConfig(lr=3e-3, kl_coef=0.1, compute_dtype="bfloat16"), ref_model=reference)
+    batch = on_policy_batch(load_model(path).float(), [1.0, -1.0])
+    assert trainer.rl_step(batch)["kl"] == pytest.approx(0.0, abs=1e-5)
+    assert trainer.rl_step(batch)["kl"] > 1e-3
