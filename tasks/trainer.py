@@ -240,14 +240,14 @@ class Trainer:
     def _micro_batch_loss(self, part: TrainBatch, token_total: float) -> tuple[Tensor, dict[str, float]]:
         """The loss of one micro-batch, as its share of the whole batch's token mean."""
         inputs = {"input_ids": part.input_ids, "attention_mask": part.attention_mask, "use_cache": False}
-        logits = self._logits(self.model, inputs) / self.sampling_temperature
-        logprobs = token_logprobs(logits, part.targets)
+        logits, temperature = self._logits(self.model, inputs), self.sampling_temperature
+        logprobs = token_logprobs(logits, part.targets, temperature)
         with torch.set_grad_enabled(self.cfg.entropy_coef > 0):
-            entropy = token_entropy(logits)
+            entropy = token_entropy(logits, temperature)
         ref_logprobs = None
         if self.ref_model is not None:
             with torch.no_grad():
-                ref_logprobs = token_logprobs(self._logits(self.ref_model, inputs) / self.sampling_temperature, part.targets)
+                ref_logprobs = token_logprobs(self._logits(self.ref_model, inputs), part.targets, temperature)
         return policy_loss(
             logprobs, part.behavior_logprobs, part.advantages, part.loss_mask,
             clip_eps=self.cfg.clip_eps, is_cap=self.cfg.is_cap, importance_correction=self.cfg.importance_correction,
@@ -256,13 +256,14 @@ class Trainer:
         )  # fmt: skip
 
     def _logits(self, model: PreTrainedModel, inputs: dict) -> Tensor:
-        """The model's float32 logits, its forward pass autocast to `compute_dtype` if set: the
-        log-softmax and the loss after it stay in float32, where a bfloat16 logprob would be off
-        by up to 1/128 of its value and the ratio with it."""
+        """The model's logits, its forward pass autocast to `compute_dtype` if set, in the dtype
+        that gives them (bfloat16 under autocast): the log-softmax and the loss after it run in
+        float32 (tasks/loss.py, by chunks of positions), where a bfloat16 logprob would be off by
+        up to 1/128 of its value and the ratio with it."""
         device = self.model.device.type
         autocast = torch.autocast(device, dtype=self.compute_dtype) if self.compute_dtype else contextlib.nullcontext()
         with autocast:
-            return model(**inputs).logits.float()
+            return model(**inputs).logits
 
     def _apply(self, loss: Tensor, optimizer: torch.optim.Optimizer) -> dict[str, float]:
         """Backward, clip, step (the warm-start's); grad_norm is the norm before clipping. A

@@ -182,3 +182,24 @@ def test_token_logprobs_and_entropy_of_known_distributions() -> None:
     entropy = token_entropy(logits)
     expected = [[2 * 0.25 * math.log(4.0) + 0.5 * math.log(2.0), math.log(3.0)]]
     torch.testing.assert_close(entropy, torch.tensor(expected), atol=3e-3, rtol=0)
+
+
+def test_logprobs_and_entropy_by_chunks_match_the_whole_pass_and_keep_no_float32_logits(monkeypatch) -> None:
+    torch.manual_seed(0)
+    logits = (torch.randn(3, 5, 40) * 3).to(torch.bfloat16).requires_grad_()
+    targets = torch.randint(0, 40, (3, 5))
+    whole = (logits.float() / 0.7).log_softmax(-1)
+    expected = (whole.gather(-1, targets.unsqueeze(-1)).squeeze(-1), -(whole.exp() * whole).sum(-1))
+    (expected[0].sum() + expected[1].sum()).backward()
+    expected_grad, logits.grad = logits.grad, None
+    monkeypatch.setattr("tasks.loss.LOGIT_CHUNK_POSITIONS", 4)  # 15 positions: chunks of 4, 4, 4 and 3
+    saved: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        logprobs, entropy = token_logprobs(logits, targets, 0.7), token_entropy(logits, 0.7)
+    torch.testing.assert_close((logprobs, entropy), expected)
+    assert logprobs.dtype == entropy.dtype == torch.float32
+    assert not [t for t in saved if t.dtype == torch.float32 and t.shape[-1] == 40]  # backward makes them again
+    (logprobs.sum() + entropy.sum()).backward()
+    torch.testing.assert_close(logits.grad.float(), expected_grad.float(), atol=1e-3, rtol=1e-2)  # bfloat16, summed in another order
+    with torch.no_grad():
+        torch.testing.assert_close(token_logprobs(logits, targets, 0.7), expected[0])
