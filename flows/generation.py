@@ -160,10 +160,10 @@ def _generate(config: RunConfig, producer: str, cache: Path, pipeline: PipelineW
 
         def start_chunk() -> bool:
             """Submit one chunk of what admission allows now; False if it allows nothing."""
-            held = sum(chunk.groups for chunk in in_flight)
+            held = sum(len(chunk.slots) for chunk in in_flight)
             specs = generator.claim_specs(config.generation.prompts_per_chunk, held, producers.count(), new_claims=not retiring.due())
             if specs:
-                in_flight.append(_Chunk(dask.submit(generate_chunk, {"specs": specs}), specs[0].loaded_version, len(specs)))
+                in_flight.append(_Chunk(dask.submit(generate_chunk, {"specs": specs}), specs[0].loaded_version, [s.slot for s in specs]))
             return bool(specs)
 
         def start_chunks() -> None:
@@ -181,7 +181,9 @@ def _generate(config: RunConfig, producer: str, cache: Path, pipeline: PipelineW
                 metrics.log("engines_restarted", version=fleet.version, engines=fleet.describe(), restarts=fleet.restarts)
             for chunk in [c for c in in_flight if c.future.wrapped_future.done()]:
                 in_flight.remove(chunk)
-                unchecked += _record(metrics, totals, chunk.future.result(), fleet.version)
+                unchecked += _record(metrics, totals, results := chunk.future.result(), fleet.version)
+                if aborted := generator.requeue_unfinished(chunk.slots, results):
+                    metrics.log("groups_aborted", slots=aborted)
             try:
                 if timings := generator.refresh_weights(while_loading=start_chunks):
                     totals["weight_updates"] += 1
@@ -219,11 +221,11 @@ def _generate(config: RunConfig, producer: str, cache: Path, pipeline: PipelineW
 
 @dataclass
 class _Chunk:
-    """A `generate_chunk` run in flight: its future, and the policy version and number of its groups."""
+    """A `generate_chunk` run in flight: its future, and the policy version and slots of its groups."""
 
     future: PrefectFuture
     version: int
-    groups: int
+    slots: list[int]
 
 
 class InFlightReport:
@@ -274,7 +276,7 @@ class InFlightReport:
         groups = Counter()
         for chunk in list(self.chunks):  # a copy: the loop changes the list
             if not chunk.future.wrapped_future.done():
-                groups[chunk.version] += chunk.groups
+                groups[chunk.version] += len(chunk.slots)
         return groups
 
     def _refresh(self) -> None:

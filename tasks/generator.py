@@ -99,8 +99,9 @@ def generate_group(spec: GroupSpec) -> GroupResult | None:
 
     None: the run's training finished before the group started, or while it played (the
     generation flow then aborts the engines' requests, so that a finished run does not wait for
-    up to max_lag + 1 batches nobody will train). Its slot stays claimed and uncommitted, which
-    is what a continued run regenerates first; a half-played group is never committed."""
+    up to max_lag + 1 batches nobody will train), or an abort ended one of its episodes. Its slot
+    stays claimed and uncommitted: a continued run regenerates it first, and during the run the
+    generator does (`Generator.requeue_unfinished`); a half-played group is never committed."""
     started = time.time()
     store = open_run_store(spec.storage, spec.run_id)
     existing = _committed_shard(store, spec)
@@ -332,6 +333,18 @@ class Generator:
             return False
         del self.rejected_snapshots[version]
         return True
+
+    def requeue_unfinished(self, slots: list[int], results: list[GroupResult]) -> list[int]:
+        """Put the `slots` of a finished chunk that have no result (their groups were aborted:
+        an engine's or an operator's abort, not this run's end) first in line again, and return
+        them. A claimed slot is this producer's alone, so left uncommitted it would hold its share
+        of the admission window for good and, at max_lag 0, stall the trainer one group short.
+        After training has finished they stay claimed, for a continued run to make."""
+        unfinished = sorted(set(slots) - {result.slot for result in results})
+        if not unfinished or read_trainer_state(self.store).done:
+            return []
+        self.orphans.extend(unfinished)
+        return unfinished
 
     def claim_specs(self, most: int, held: int = 0, producers: int = 1, new_claims: bool = True) -> list[GroupSpec]:
         """Up to `most` slots to generate: this producer's orphans first, then (unless

@@ -74,16 +74,23 @@ def test_a_group_that_starts_after_training_finished_does_not_play(generator):
     assert list_shards(store) == []
 
 
-def test_a_group_whose_requests_are_aborted_is_not_committed(generator):
+def test_a_group_whose_requests_are_aborted_is_not_committed_and_is_generated_again(generator):
     gen, store = generator
+    (spec,) = gen.claim_specs(1)
     results = []
-    playing = threading.Thread(target=lambda: results.append(generate_group(gen.spec(0))))
+    playing = threading.Thread(target=lambda: results.append(generate_group(spec)))
     playing.start()
     wait_for_engine(gen, lambda info: info["num_running"] >= 1, "the group's requests to run")
     gen.fleet.abort_all()
     playing.join(timeout=30)
     assert results == [None]
     assert list_shards(store) == []
+    assert gen.requeue_unfinished([spec.slot], []) == [spec.slot]  # its slot is claimed: nobody else would make it
+    (again,) = gen.claim_specs(1)
+    assert again.slot == spec.slot
+    assert generate_group(again) is not None and len(list_shards(store)) == 1
+    publish_trainer_state(store, TrainerState(version=0, done=True))
+    assert gen.requeue_unfinished([7], []) == []  # a finished run's aborted groups stay for a continued run
 
 
 def test_a_generator_takes_its_share_of_the_window_and_leaves_the_rest_to_the_others(generator):
