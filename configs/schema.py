@@ -209,6 +209,9 @@ class TrainingConfig(Section):
     compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """The dtype the forward and backward passes run in (autocast; weights and optimizer state stay
     float32): auto is bfloat16 on a CUDA GPU that has it, float32 elsewhere."""
+    gradient_checkpointing: bool = False
+    """Keep one transformer block's activations, not every block's, and recompute them in backward
+    (a third more compute; true with model.path)."""
 
     @field_validator("device")
     @classmethod
@@ -218,9 +221,12 @@ class TrainingConfig(Section):
         return device
 
 
-PRETRAINED_TRAINING_DEFAULTS = {"lr": 1e-6, "warmup_steps": 0, "warmup_lr": 1e-5, "micro_batch_size": 4}
+PRETRAINED_TRAINING_DEFAULTS = {
+    "lr": 1e-6, "warmup_steps": 0, "warmup_lr": 1e-5, "micro_batch_size": 4, "gradient_checkpointing": True,
+}  # fmt: skip
 """TrainingConfig's defaults for a run that starts from model.path (RunConfig._pretrained_defaults):
-learning rates of the order full-parameter GRPO uses on pretrained models, no warm-start."""
+learning rates of the order full-parameter GRPO uses on pretrained models, no warm-start, and the
+memory savings a real model's GPU needs."""
 
 
 class LagConfig(Section):

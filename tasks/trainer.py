@@ -50,6 +50,7 @@ import pyarrow as pa
 import torch
 from torch import Tensor
 from transformers import PreTrainedModel
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 from configs.schema import TrainingConfig
 from infra.modelfactory import PAD, TASK_VOCABULARY
@@ -186,6 +187,9 @@ class Trainer:
             self.warmup_optimizer = torch.optim.AdamW(
                 model.parameters(), lr=cfg.warmup_lr, weight_decay=cfg.weight_decay
             )
+        if cfg.gradient_checkpointing:  # transformers before 5.2x has only the older name
+            enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+            enable({"use_reentrant": False})
         self._version = version
         self.skipped_in_a_row = 0
         self.compute_dtype = autocast_dtype(cfg, model.device)
@@ -220,7 +224,7 @@ class Trainer:
         if (lags < 0).any():
             raise ValueError(f"batch has samples newer than the trainer's version {self._version}")
         self.warmup_optimizer = None
-        self.model.eval()  # no dropout: the ratio compares with the engines' deterministic pass
+        self._deterministic_mode()
         total = float(batch.loss_mask.sum())
         metrics: dict[str, float] = {}
         try:  # gradients accumulate over the micro-batches; a failure leaves none behind
@@ -236,6 +240,17 @@ class Trainer:
         lags = lags.float()
         metrics |= {"lag_mean": lags.mean().item(), "lag_max": lags.max().item()}
         return metrics | {"version": self._version}
+
+    def _deterministic_mode(self) -> None:
+        """Eval mode, without dropout: the ratio compares with the engines' deterministic pass. With
+        gradient checkpointing the checkpointed blocks themselves are marked as training, for
+        transformers checkpoints a block only then; the modules inside them, the dropouts among
+        them, stay in eval mode."""
+        self.model.eval()
+        if self.cfg.gradient_checkpointing:
+            for module in self.model.modules():
+                if isinstance(module, GradientCheckpointingLayer) and module.gradient_checkpointing:
+                    module.training = True
 
     def _micro_batch_loss(self, part: TrainBatch, token_total: float) -> tuple[Tensor, dict[str, float]]:
         """The loss of one micro-batch, as its share of the whole batch's token mean."""

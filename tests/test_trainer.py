@@ -322,3 +322,19 @@ def test_the_reference_model_is_kept_frozen_in_the_passes_dtype(tmp_path: Path) 
     batch = on_policy_batch(load_model(path).float(), [1.0, -1.0])
     assert trainer.rl_step(batch)["kl"] == pytest.approx(0.0, abs=1e-5)
     assert trainer.rl_step(batch)["kl"] > 1e-3
+
+
+def test_gradient_checkpointing_recomputes_the_blocks_and_changes_nothing_else() -> None:
+    steps = []
+    for checkpointed in (False, True):
+        model = tiny_model()
+        model.config.attention_dropout = 0.5  # stays off in the RL pass either way
+        attention_calls = []
+        model.model.layers[0].self_attn.register_forward_hook(lambda *_: attention_calls.append(1))
+        trainer = Trainer(model, TrainingConfig(lr=3e-3, gradient_checkpointing=checkpointed))
+        metrics = trainer.rl_step(on_policy_batch(tiny_model(), [1.0, -1.0]))
+        steps.append((metrics["loss"], metrics["grad_norm"], [p.detach().clone() for p in model.parameters()], len(attention_calls)))
+    (loss, norm, weights, calls), (loss_c, norm_c, weights_c, calls_c) = steps
+    assert (calls, calls_c) == (1, 2)  # forward, then forward again in backward
+    assert loss_c == pytest.approx(loss, rel=1e-6) and norm_c == pytest.approx(norm, rel=1e-5)
+    torch.testing.assert_close(weights_c, weights)
