@@ -328,7 +328,8 @@ def test_gradient_checkpointing_recomputes_the_blocks_and_changes_nothing_else()
     steps = []
     for checkpointed in (False, True):
         model = tiny_model()
-        model.config.attention_dropout = 0.5  # stays off in the RL pass either way
+        for layer in model.model.layers:
+            layer.self_attn.attention_dropout = 0.5  # stays off in the RL pass either way
         attention_calls = []
         model.model.layers[0].self_attn.register_forward_hook(lambda *_: attention_calls.append(1))
         trainer = Trainer(model, TrainingConfig(lr=3e-3, gradient_checkpointing=checkpointed))
