@@ -11,7 +11,8 @@ ends the trainer's wait for data. Either way the failure propagates. An interrup
 (Ctrl-C) sends the stop request itself, on which the trainer stops and marks itself done, and
 exits anyway if its children have not stopped within `INTERRUPT_GRACE_SECONDS`: a terminal's
 Ctrl-C also reaches the Dask workers and Prefect's temporary server, without which a child can
-wait forever. The run resumes from its newest checkpoint when started again. From its set-up
+wait forever. SIGTERM does the same and then ends the process. The run resumes from its newest
+checkpoint when started again. From its set-up
 to its summary a pipeline holds its run directory's lease (tasks/lease.py): a second pipeline of
 the same run is refused with `RunInUse` instead of training beside it, before it writes anything.
 
@@ -26,11 +27,13 @@ import signal
 import sys
 import threading
 from collections.abc import Callable
+from typing import NoReturn
 
 from prefect import flow, task
 from prefect.futures import PrefectFuture
 from prefect.client.orchestration import get_client
 from prefect.cache_policies import NONE
+from prefect.exceptions import TerminationSignal
 from prefect.runtime import deployment, flow_run
 
 from configs import DEPLOYED_CONFIG, ConfigError, load_config
@@ -157,6 +160,9 @@ def _train_and_report(config: RunConfig, store: RunStore, url: str, claim: str) 
         trainer = run_training.submit(config, claim)
         try:
             watch_run(config, [trainer, *generators])
+        except TerminationSignal:
+            stop_children(config, "the pipeline was sent SIGTERM")
+            exit_once_stopped_or_after_grace([trainer, *generators])
         except BaseException as err:
             interrupted = isinstance(err, KeyboardInterrupt)
             if interrupted:
@@ -240,13 +246,25 @@ def exit_unless_stopped_within_grace(children: list[PrefectFuture], stop: Callab
           "again to exit now); start the same run again to resume it", file=sys.stderr)  # fmt: skip
 
 
-def _exit_now(why: str) -> None:
+def exit_once_stopped_or_after_grace(children: list[PrefectFuture]) -> NoReturn:
+    """SIGTERM (a `kill`, a service or container stop): the process ends, once the children
+    have stopped or after the grace, with 143. Not through Prefect's handling, which reports a
+    crash to the API (retried for minutes when the signal went to the whole process group and
+    the temporary server is gone) and then dies by the signal, skipping the stop of that server.
+    A second SIGTERM exits at once."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda *_: _exit_now("terminated again (SIGTERM)", 128 + signal.SIGTERM))
+    concurrent.futures.wait([child.wrapped_future for child in children], timeout=INTERRUPT_GRACE_SECONDS)
+    _exit_now("terminated (SIGTERM)", 128 + signal.SIGTERM)
+
+
+def _exit_now(why: str, code: int = 130) -> NoReturn:
     """Exit at once, without the interpreter's shutdown, which waits for the children's threads.
     The engines and Dask workers exit with this process, and Prefect's temporary server is stopped
     here (its own stop runs at the shutdown skipped); the run resumes from its newest checkpoint."""
     print(f"exiting: {why}; start the same run again to resume it", file=sys.stderr, flush=True)
     stop_temporary_server()
-    os._exit(130)
+    os._exit(code)
 
 
 def main(argv: list[str] | None = None) -> None:
