@@ -257,7 +257,7 @@ class Supervisor:
                 continue
             if _marked_unresponsive(state) and producer in live_producers(self.store):
                 continue  # its heartbeats were lost, not its process: it still writes its record
-            if state.is_cancelled() and self.target > self.generator_bounds()[0]:
+            if state.is_cancelled() and len(self.generators) > self.generator_bounds()[0]:  # live ones: a given-up one is gone
                 self.take_cancelled(producer, run_id)
                 continue
             if self.restarts >= self.config.prefect.generation_restarts:
@@ -275,9 +275,10 @@ class Supervisor:
         a run of its producer id generates the groups it claimed, so one that left some
         unfinished is started again once, uncharged, with a retire request: it finishes them and
         leaves (cancelled again, the retiring watch restarts it, charged). One cancelled at the
-        fewest the run may have (1, or prefect.autoscale.min) is restarted as a crashed one is:
-        without it the trainer would wait, or autoscale's bound break; the run itself stops by
-        cancelling the pipeline."""
+        fewest the run may have (1, or prefect.autoscale.min), counting the runs alive (after a
+        give-up the target counts one that is gone), is restarted as a crashed one is: without it
+        the trainer would wait, or autoscale's bound break; the run itself stops by cancelling the
+        pipeline. With no restarts left that is a give-up, which stops the run if none is left."""
         del self.generators[producer]
         self.set_target(self.target - 1, f"generation {producer} was cancelled")
         request_retire(self.store, producer)

@@ -248,3 +248,19 @@ def test_a_generator_cancelled_at_autoscales_min_is_restarted_as_a_crashed_one(f
     parent.restart_failed_generators()
     assert parent.target == 2 and parent.started == ["gen1"] and parent.restarts == 1 and "gen1" in parent.generators
     assert not retire_requested(file_store, "gen1")
+
+
+def test_the_last_generator_cancelled_after_a_give_up_stops_the_run(file_store):
+    """Out of restarts, one of two generators given up on (the target still says 2): the other,
+    cancelled in the UI, was taken for one fewer of two, and the run went on with none, the
+    trainer waiting for ever. It is the last one alive: a give-up, which stops the run."""
+    parent = parent_of(file_store, max_lag=1, restarts=0)
+    parent.target, parent.changed_at = 2, time.monotonic()
+    child(parent, "gen0", Running())
+    child(parent, "gen1", Failed(message="boom"))
+    parent.restart_failed_generators()
+    assert parent.gave_up and stop_reason(file_store) is None, "gen0 goes on alone"
+    parent.client.states[parent.generators["gen0"]] = Cancelled()
+    parent.restart_failed_generators()
+    assert parent.generators == {} and parent.started == []
+    assert "every generation run failed; the last, gen0, ended" in stop_reason(file_store)
