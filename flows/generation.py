@@ -53,6 +53,7 @@ from tasks.lag import (
 )  # fmt: skip
 from tasks.lease import PipelineWatch
 from tasks.metrics import MetricsLog
+from tasks.placement import first_engine_of
 from tasks.snapshots import unpin_snapshot
 
 
@@ -144,7 +145,7 @@ def _generate(config: RunConfig, producer: str, cache: Path, pipeline: PipelineW
     model_dir, version = snapshot_dir_for_engines(config, cache)
     metrics = MetricsLog(store, f"generator-{producer}")
     totals = {"groups": 0, "samples": 0, "engine_restarts": 0, "weight_updates": 0}
-    fleet = EngineFleet(config.engine, config.generation.engines, model_dir, version, cache / "logs")
+    fleet = EngineFleet(config.engine, config.generation.engines, model_dir, version, cache / "logs", first_engine_of(config, producer))
     in_flight: list[_Chunk] = []
     with dask_task_runner(config) as dask, fleet, InFlightReport(store, producer, in_flight) as reported:
         metrics.log("engines_started", version=version, engines=fleet.describe(), pid=os.getpid())

@@ -3,8 +3,8 @@
 training.compute_dtype), and `release_gpu_memory` for a process that trained and goes on.
 
 `auto` has to know which GPUs are free. In local mode on a GPU machine the trainer runs beside
-the SGLang engines tandem launches there, engine i on GPUs from i x engine.tp_size of those the
-process sees (infra/engines/sglang.py, which places them so: flags in engine.sglang_args that
+the SGLang engines tandem launches there, engine i (counted over every generator's fleet) on GPUs
+from i x engine.tp_size of those the process sees (infra/engines/sglang.py, which places them so: flags in engine.sglang_args that
 widen an engine, such as --dp-size, are not counted), each holding engine.mem_fraction_static of
 its GPUs' memory: `auto` takes the first GPU after theirs. In deployed mode the training flow run sees only
 its worker's GPUs (one worker per GPU set, CUDA_VISIBLE_DEVICES), so `auto` takes the first. With
@@ -29,10 +29,21 @@ if TYPE_CHECKING:
 
 
 def engine_gpus_in_process(config: RunConfig) -> int:
-    """GPUs that engines launched by this process take: a local-mode SGLang fleet's."""
+    """GPUs that engines launched by this process take: in local mode, every generator's SGLang
+    fleet's (`first_engine_of`)."""
     if config.prefect.mode == "local" and config.engine.backend == "sglang":
-        return config.generation.engines * config.engine.tp_size
+        return config.prefect.generators * config.generation.engines * config.engine.tp_size
     return 0
+
+
+def first_engine_of(config: RunConfig, producer: str) -> int:
+    """The number of generator `producer`'s first engine among those its machine runs. In local
+    mode every generator's fleet runs in one process, on one machine's GPUs: gen1's engines come
+    after gen0's. A deployed generation run has its worker's GPUs to itself, so its engines
+    start at 0."""
+    if config.prefect.mode != "local":
+        return 0
+    return int(producer.removeprefix("gen")) * config.generation.engines
 
 
 def trainer_device(config: RunConfig) -> torch.device:
@@ -48,8 +59,8 @@ def trainer_device(config: RunConfig) -> torch.device:
         if taken < count:
             return torch.device("cuda", taken)
         if count:
-            print(f"training.device auto: the engines take all {count} GPUs this process sees (generation.engines "
-                  f"x engine.tp_size = {taken}), so the trainer runs on the CPU; set training.device: cuda:N to "
+            print(f"training.device auto: the engines take all {count} GPUs this process sees (prefect.generators "
+                  f"x generation.engines x engine.tp_size = {taken}), so the trainer runs on the CPU; set training.device: cuda:N to "
                   "share GPU N with an engine, and lower engine.mem_fraction_static to leave it room")  # fmt: skip
         return torch.device("cpu")
     index = int(wanted.partition(":")[2] or 0)

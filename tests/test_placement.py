@@ -14,9 +14,10 @@ import torch
 
 from configs.loader import ConfigError
 from configs.schema import RunConfig, TrainingConfig
+from infra.engines.fleet import EngineFleet
 from infra.modelfactory import load_model, load_tokenizer, load_trainable_model, save_tiny_model
 from tasks.checkpoints import load_checkpoint, save_checkpoint
-from tasks.placement import autocast_dtype, engine_gpus_in_process, trainer_device
+from tasks.placement import autocast_dtype, engine_gpus_in_process, first_engine_of, trainer_device
 from tasks.snapshots import load_snapshot, publish_snapshot
 from tasks.trainer import Trainer, build_supervised_batch
 from tests.test_trainer import TINY, on_policy_batch, tiny_model
@@ -24,10 +25,12 @@ from tests.test_trainer import TINY, on_policy_batch, tiny_model
 CPU = torch.device("cpu")
 
 
-def run_config(device: str = "auto", mode: str = "local", backend: str = "sglang", engines: int = 2, tp_size: int = 1) -> RunConfig:
+def run_config(
+    device: str = "auto", mode: str = "local", backend: str = "sglang", engines: int = 2, tp_size: int = 1, generators: int = 1,
+) -> RunConfig:  # fmt: skip
     return RunConfig.model_validate({
-        "training": {"device": device}, "prefect": {"mode": mode}, "generation": {"engines": engines},
-        "engine": {"backend": backend, "tp_size": tp_size},
+        "training": {"device": device}, "prefect": {"mode": mode, "generators": generators},
+        "generation": {"engines": engines}, "engine": {"backend": backend, "tp_size": tp_size},
     })  # fmt: skip
 
 
@@ -49,10 +52,22 @@ def test_engines_take_gpus_only_where_this_process_launches_sglang():
     assert engine_gpus_in_process(run_config(backend="sim")) == 0
 
 
+def test_local_generators_place_their_engines_one_after_another(tmp_path):
+    """In local mode every generator's fleet runs on this machine: gen1's engines after gen0's
+    (each on GPU 0 would take mem_fraction_static of it twice), the trainer after them all."""
+    config = run_config(engines=2, tp_size=2, generators=2)
+    assert engine_gpus_in_process(config) == 8
+    assert [first_engine_of(config, p) for p in ("gen0", "gen1")] == [0, 2]
+    assert first_engine_of(run_config(mode="deployed", engines=2, generators=2), "gen1") == 0, "its worker's GPUs"
+    fleet = EngineFleet(config.engine, 2, tmp_path, 0, tmp_path, first_engine=first_engine_of(config, "gen1"))
+    assert [dict(zip(p.command, p.command[1:]))["--base-gpu-id"] for p in fleet.processes] == ["4", "6"]
+
+
 def test_auto_takes_the_first_gpu_after_the_engines(gpus, capsys):
     gpus(4)
     assert trainer_device(run_config(engines=2, tp_size=1)) == torch.device("cuda", 2)
     assert trainer_device(run_config(engines=1, tp_size=2)) == torch.device("cuda", 2)
+    assert trainer_device(run_config(engines=1, generators=3)) == torch.device("cuda", 3)
     assert trainer_device(run_config(mode="deployed", engines=4)) == torch.device("cuda", 0)
     assert trainer_device(run_config(backend="cpu")) == torch.device("cuda", 0)
     assert capsys.readouterr().out == ""

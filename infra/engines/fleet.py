@@ -42,8 +42,11 @@ T = TypeVar("T")
 class EngineFleet:
     """N engine processes serving the same weights."""
 
-    def __init__(self, engine: EngineConfig, count: int, model_dir: Path, version: int, log_dir: Path):
+    def __init__(self, engine: EngineConfig, count: int, model_dir: Path, version: int, log_dir: Path, first_engine: int = 0):
+        """`first_engine`: the number of this fleet's first engine among every engine its machine
+        runs (other fleets' come before it): an SGLang engine's GPUs and seed follow from it."""
         self.engine = engine
+        self.first_engine = first_engine
         self.model_dir = model_dir
         self.version = version
         self.log_dir = log_dir
@@ -158,8 +161,9 @@ class EngineFleet:
             from infra.engines.sglang import sglang_engine_process
 
             return sglang_engine_process(
-                self.engine, str(self.model_dir), port, log_path, weight_version=str(self.version), index=self.ports.index(port)
-            )
+                self.engine, str(self.model_dir), port, log_path, weight_version=str(self.version),
+                index=self.first_engine + self.ports.index(port),
+            )  # fmt: skip
         return cpu_engine_process(
             self.model_dir, port, log_path, host=self.engine.host, api_key=self.api_key,
             max_batch_size=self.engine.max_batch_size, weight_version=str(self.version),
