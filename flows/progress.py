@@ -27,7 +27,7 @@ from rich.table import Table
 from configs.schema import RunConfig
 from infra.storage import open_run_store
 from tasks.lag import read_trainer_state
-from tasks.metrics import read_metrics
+from tasks.metrics import MetricsTail
 from tasks.report import summary_rows
 
 
@@ -68,11 +68,18 @@ def quiet_task_run_logs() -> None:
 def watch_run(config: RunConfig, futures: list, poll_seconds: float = 1.0, console: Console | None = None) -> None:
     """Draw progress bars until every future is done, and once more after, so that they end on the
     run's final figures. Outside a terminal, where rich could draw the bars only when they close,
-    print a line each time the trainer passes another twentieth of its steps instead."""
+    print a line each time the trainer passes another twentieth of its steps instead.
+
+    Whether the children are done is asked of their futures here, not of the Prefect API, and a
+    failed read of the run directory skips one look, said once: the bars are for show, and the
+    pipeline stops its children when this raises. The metrics files are read as they grow
+    (`MetricsTail`), not whole every second."""
     store = open_run_store(config.storage, config.run_id)
     console = console or Console(stderr=True)
     steps = config.training.steps
     every, reported = max(1, steps // 20), 0
+    tails = {"trainer": MetricsTail(store, "trainer")}
+    warned = False
     with Progress(
         TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
         TimeElapsedColumn(), console=console, transient=False, disable=not console.is_terminal,
@@ -80,23 +87,33 @@ def watch_run(config: RunConfig, futures: list, poll_seconds: float = 1.0, conso
         train = progress.add_task("train steps", total=steps, info="")
         episodes = progress.add_task("episodes   ", total=steps * config.training.prompts_per_step * config.generation.samples_per_prompt, info="")
         while True:
-            finished = all(f.state.is_final() for f in futures)
-            version = read_trainer_state(store).version
-            trainer = [r for r in read_metrics(store, "trainer") if r["event"] == "train_step"]
-            last = trainer[-1] if trainer else {}
-            step_info = f"v{version} reward {last.get('reward_mean', 0):.2f} lag<={last.get('lag_max', 0):.0f}"
-            progress.update(train, completed=version, info=step_info)
-            generators_report = sum(r.get("samples", 0) for name in _generator_files(store) for r in read_metrics(store, name) if r["event"] == "group")
-            # Generators write their metrics every few seconds, the trainer every step: what it has
-            # trained or dropped was generated, even if not reported yet (the line read "trained
-            # 1280, generated 1152").
-            generated = max(generators_report, sum(last.get(fate, 0) for fate in ("trained", "dropped_stale", "duplicate")))
-            episode_info = f"generated {generated}, dropped {last.get('dropped_stale', 0)}"
-            progress.update(episodes, completed=last.get("trained", 0), info=episode_info)
-            if not console.is_terminal and version // every > reported:
-                reported = version // every
-                line = f"train step {version}/{steps}: {step_info}, episodes trained {last.get('trained', 0)}, {episode_info}"
-                console.print(line, soft_wrap=True)  # a log file's line, not wrapped at rich's 80 columns
+            finished = all(f.wrapped_future.done() for f in futures)
+            try:
+                version = read_trainer_state(store).version
+                for name in _generator_files(store):
+                    tails.setdefault(name, MetricsTail(store, name))
+                records = {name: tail.records() for name, tail in tails.items()}
+            except Exception as err:
+                if not warned:
+                    console.print(f"progress: could not read the run directory ({err!r}); the run goes on", soft_wrap=True)
+                    warned = True
+                records = None
+            if records is not None:
+                trainer = [r for r in records.pop("trainer") if r["event"] == "train_step"]
+                last = trainer[-1] if trainer else {}
+                step_info = f"v{version} reward {last.get('reward_mean', 0):.2f} lag<={last.get('lag_max', 0):.0f}"
+                progress.update(train, completed=version, info=step_info)
+                generators_report = sum(r.get("samples", 0) for group in records.values() for r in group if r["event"] == "group")
+                # Generators write their metrics every few seconds, the trainer every step: what it has
+                # trained or dropped was generated, even if not reported yet (the line read "trained
+                # 1280, generated 1152").
+                generated = max(generators_report, sum(last.get(fate, 0) for fate in ("trained", "dropped_stale", "duplicate")))
+                episode_info = f"generated {generated}, dropped {last.get('dropped_stale', 0)}"
+                progress.update(episodes, completed=last.get("trained", 0), info=episode_info)
+                if not console.is_terminal and version // every > reported:
+                    reported = version // every
+                    line = f"train step {version}/{steps}: {step_info}, episodes trained {last.get('trained', 0)}, {episode_info}"
+                    console.print(line, soft_wrap=True)  # a log file's line, not wrapped at rich's 80 columns
             if finished:
                 return
             time.sleep(poll_seconds)

@@ -57,7 +57,7 @@ from infra.storage import open_run_store
 from tasks.autoscale import autoscale_target, generator_wait_fraction, trainer_idle_fraction
 from tasks.lag import SlotClaims, live_producers, request_retire, request_stop, stop_reason, withdraw_retire
 from tasks.lease import PipelineWatch
-from tasks.metrics import read_metrics
+from tasks.metrics import MetricsTail
 from tasks.shards import committed_slots
 
 DRAIN_SECONDS = 60.0
@@ -138,6 +138,11 @@ class Supervisor:
         self.api_lost_at: float | None = None
         """When the Prefect API stopped answering the watch loop; None while it answers."""
         self.pipeline = PipelineWatch(self.store, claim)
+        self.metrics: dict[str, MetricsTail] = {}
+        """Component -> its metrics file, read as it grows (autoscale looks every watch)."""
+        self.booting: dict[str, int] = {}
+        """Producer -> `engines_started` records its metrics held when its run was started: until
+        there is one more, the run is still starting (a worker's pickup, an engine's boot)."""
         """This pipeline's hold on the run (it holds the lease while the supervisor runs)."""
 
     def start(self, flow_name: str, **parameters) -> FlowRun:
@@ -156,6 +161,22 @@ class Supervisor:
     def start_generator(self, producer: str) -> None:
         withdraw_retire(self.store, producer)
         self.generators[producer] = self.start("generation", producer=producer).id
+        self.booting[producer] = self._engine_starts(producer)
+
+    def _records(self, component: str) -> list[dict]:
+        return self.metrics.setdefault(component, MetricsTail(self.store, component)).records()
+
+    def _engine_starts(self, producer: str) -> int:
+        return sum(r["event"] == "engines_started" for r in self._records(f"generator-{producer}"))
+
+    def still_starting(self) -> list[str]:
+        """Generation runs started that have not yet brought their engines up. Autoscale waits
+        for them: until then the trainer's idle share says nothing of what they will add, and
+        with SGLang's minutes of boot it added a run every cooldown up to the maximum."""
+        for producer, before in list(self.booting.items()):
+            if producer not in self.generators or self._engine_starts(producer) > before:
+                del self.booting[producer]
+        return sorted(self.booting)
 
     def run(self) -> None:
         """Start the children and watch them until training is over; raise if it failed. The
@@ -330,10 +351,10 @@ class Supervisor:
             bounds = f", bounded to {low}-{high}{' by prefect.autoscale' if self.config.prefect.autoscale else ''}"
             self.set_target(bounded, f"tandem scale asked for {count}{bounds if bounded != count else ''}")
         policy = self.config.prefect.autoscale
-        if policy is not None and time.monotonic() - self.changed_at >= policy.cooldown_seconds:
+        if policy is not None and time.monotonic() - self.changed_at >= policy.cooldown_seconds and not self.still_starting():
             since = time.time() - (time.monotonic() - self.changed_at)
-            trainer_idle = trainer_idle_fraction(read_metrics(self.store, "trainer"), since)
-            waits = generator_wait_fraction([read_metrics(self.store, f"generator-{p}") for p in self.generators], since)
+            trainer_idle = trainer_idle_fraction(self._records("trainer"), since)
+            waits = generator_wait_fraction([self._records(f"generator-{p}") for p in self.generators], since)
             target = autoscale_target(self.target, trainer_idle, waits, policy)
             if target != self.target:
                 self.set_target(target, f"autoscale: trainer idle {_share(trainer_idle)}, generators waiting {_share(waits)}")

@@ -133,16 +133,18 @@ class RunStore:
 
     # -- reads ------------------------------------------------------------------------------
 
-    def read_bytes(self, key: str) -> bytes:
-        """The whole object, in one request; FileNotFoundError if there is none.
+    def read_bytes(self, key: str, start: int = 0) -> bytes:
+        """The object from byte `start` (0: the whole of it), in one request; FileNotFoundError
+        if there is none. `start` must lie inside the object.
 
         On S3 it asks for no concurrency: s3fs otherwise sends a HEAD before every whole-object
         read, to decide whether to split one over 50 MB into ranged reads. A run directory's
         reads (LATEST, leases, manifests, shards) are far smaller, so that HEAD doubled the
         round trips of every read, a generator's poll of LATEST included."""
+        ranged = {"start": start} if start else {}
         if self.protocol == "s3":
-            return self._retry(self.fs.cat_file, self.path(key), max_concurrency=1)
-        return self._retry(self.fs.cat_file, self.path(key))
+            return self._retry(self.fs.cat_file, self.path(key), max_concurrency=1, **ranged)
+        return self._retry(self.fs.cat_file, self.path(key), **ranged)
 
     def exists(self, key: str) -> bool:
         """Whether the object `key` exists (an object, not a prefix). One HEAD on S3, where

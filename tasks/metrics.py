@@ -15,7 +15,7 @@ import math
 import time
 from typing import Any
 
-from infra.storage import RunStore
+from infra.storage import RunStore, StorageRejected
 
 METRICS = "metrics"
 
@@ -61,6 +61,45 @@ def read_metrics(store: RunStore, component: str) -> list[dict]:
     except FileNotFoundError:
         return []
     return [json.loads(line) for line in data.decode().splitlines() if line.strip()]
+
+
+class MetricsTail:
+    """One component's records, read as its file grows: each `records()` fetches only the bytes
+    written since the one before. A long run's files reach tens of MB (a generator writes a line
+    per group: 160,000 lines in 10,000 steps of 16 groups), and a reader that looks every second
+    (the progress bars, the supervisor's autoscale) spent a core parsing them whole again.
+
+    The writer rewrites the file with its old lines first (`MetricsLog`), so what was read stays
+    a prefix. The read starts one byte early, at the newline that ended the last line taken: a
+    file rewritten otherwise (shorter, or another component's history) does not show it there,
+    and is read again whole."""
+
+    def __init__(self, store: RunStore, component: str):
+        self.store = store
+        self.key = f"{METRICS}/{component}.jsonl"
+        self.offset = 0
+        """Bytes of the file read and parsed: whole lines only."""
+        self.taken: list[dict] = []
+
+    def records(self) -> list[dict]:
+        """Every record of the file so far ([] while it has none)."""
+        try:
+            data = self.store.read_bytes(self.key, start=max(self.offset - 1, 0))
+        except FileNotFoundError:
+            data = b""
+        except StorageRejected:
+            if not self.offset:
+                raise
+            data = b""  # the range lies past the file's end: it was rewritten shorter
+        if self.offset:
+            if not data.startswith(b"\n"):
+                self.offset, self.taken = 0, []
+                return self.records()
+            data = data[1:]
+        whole = data[: data.rfind(b"\n") + 1]  # a line still being written is taken next time
+        self.taken += [json.loads(line) for line in whole.decode().splitlines() if line.strip()]
+        self.offset += len(whole)
+        return self.taken
 
 
 def _plain(value: Any) -> Any:

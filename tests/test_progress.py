@@ -20,16 +20,17 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 class Finishing:
-    """A future whose state turns final after `polls` looks."""
+    """A future done after `polls` looks (at its wrapped future, as the watcher asks: a local one,
+    not the Prefect API)."""
 
     def __init__(self, polls: int, on_poll=lambda n: None):
         self.polls, self.seen, self.on_poll = polls, 0, on_poll
 
     @property
-    def state(self):
+    def wrapped_future(self):
         self.seen += 1
         self.on_poll(self.seen)
-        return SimpleNamespace(is_final=lambda: self.seen > self.polls)
+        return SimpleNamespace(done=lambda: self.seen > self.polls)
 
 
 def watched_run(tmp_path: Path, console: Console, reported_per_look: int = 12) -> int:
@@ -116,3 +117,23 @@ def test_a_local_run_keeps_prefects_task_run_lines_off_the_console_but_not_what_
     finally:
         logger.filters[:] = before
         monkeypatch.undo()
+
+
+def test_a_failed_read_of_the_run_directory_skips_a_look_and_is_said_once(tmp_path: Path, monkeypatch):
+    """The bars are for show: the pipeline stops its children when the watcher raises."""
+    config = load_config(TINY_CONFIG, [f"storage.root=file://{tmp_path}", "run_id=watched", "training.steps=40"])
+    store = open_run_store(config.storage, config.run_id)
+    publish_trainer_state(store, TrainerState(20))
+    failures = [OSError("storage away"), OSError("storage away")]
+
+    def read_trainer_state(store):
+        if failures:
+            raise failures.pop()
+        return TrainerState(40)
+
+    monkeypatch.setattr("flows.progress.read_trainer_state", read_trainer_state)
+    out = io.StringIO()
+    watch_run(config, [Finishing(polls=3)], poll_seconds=0.0, console=Console(file=out, width=80))
+    lines = out.getvalue().splitlines()
+    assert lines[0].startswith("progress: could not read the run directory (OSError('storage away'))")
+    assert sum("could not read" in line for line in lines) == 1 and lines[-1].startswith("train step 40/40")

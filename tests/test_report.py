@@ -8,7 +8,7 @@ import time
 from configs.schema import StorageConfig
 from infra.storage import open_run_store
 from tasks.learner import LEDGER_KEY, Ledger
-from tasks.metrics import MetricsLog
+from tasks.metrics import MetricsLog, MetricsTail, read_metrics
 from tasks.report import _union, accounting, summary_rows, train_steps, write_summary
 from tasks.shards import write_shard
 from tests.test_shards import make_rollouts
@@ -113,3 +113,19 @@ def test_a_continued_runs_summary_says_which_versions_each_figure_covers(tmp_pat
 
 def test_busy_intervals_are_merged_where_they_overlap():
     assert _union([(5, 6), (0, 2), (1, 3), (3, 4)]) == [(0, 4), (5, 6)]
+
+
+def test_a_metrics_tail_reads_only_what_was_written_since_and_starts_over_on_a_rewrite(store):
+    log, tail = MetricsLog(store, "generator-gen0", flush_seconds=0), MetricsTail(store, "generator-gen0")
+    assert tail.records() == []
+    log.log("group", samples=8)
+    log.log("group", samples=8)
+    assert [r["samples"] for r in tail.records()] == [8, 8]
+    read = tail.offset
+    log.log("load", idle=0.5)
+    assert [r["event"] for r in tail.records()] == ["group", "group", "load"] and tail.offset > read
+    assert tail.records() == read_metrics(store, "generator-gen0"), "nothing new: nothing added"
+    store.write_atomic("metrics/generator-gen0.jsonl", b'{"event": "other", "time": 1}\n')  # not a continuation
+    assert [r["event"] for r in tail.records()] == ["other"]
+    store.delete("metrics/generator-gen0.jsonl")
+    assert tail.records() == []

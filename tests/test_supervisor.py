@@ -19,6 +19,7 @@ from configs.schema import RunConfig
 from flows.scaling import scale_request
 from flows.supervisor import Supervisor
 from tasks.lag import SlotClaims, request_retire, retire_requested, stop_reason
+from tasks.metrics import MetricsLog
 
 PER_STEP = 4
 
@@ -42,6 +43,7 @@ def parent_of(store, max_lag: int, restarts: int) -> Supervisor:
     parent.store, parent.client, parent.log = store, ChildStates(), logging.getLogger("test")
     parent.generators, parent.retiring, parent.restarts, parent.gave_up, parent.abandoned_slots = {}, {}, 0, False, 0
     parent.waiting_since, parent.warned_waiting = {}, set()
+    parent.metrics, parent.booting = {}, {}
     parent.started = []
 
     def start(flow_name, **parameters):
@@ -264,3 +266,31 @@ def test_the_last_generator_cancelled_after_a_give_up_stops_the_run(file_store):
     parent.restart_failed_generators()
     assert parent.generators == {} and parent.started == []
     assert "every generation run failed; the last, gen0, ended" in stop_reason(file_store)
+
+
+def test_autoscale_waits_for_a_generator_it_started_to_bring_its_engines_up(file_store, monkeypatch):
+    """A trainer that waits asks for one more generation run each cooldown; a run started is no
+    help until its engines are up (minutes for SGLang), and before, the parent kept adding runs
+    on the same measurement until the maximum."""
+    monkeypatch.setattr(supervisor, "Variable", SimpleNamespace(get=lambda name, default=None: default))
+    parent = parent_of(file_store, max_lag=1, restarts=0)
+    parent.config = RunConfig.model_validate({"prefect": {"autoscale": {"min": 1, "max": 4, "cooldown_seconds": 0}}})
+    parent.target, parent.last_request, parent.changed_at = 1, None, time.monotonic() - 1
+    trainer, gen0 = MetricsLog(file_store, "trainer", flush_seconds=0), MetricsLog(file_store, "generator-gen0", flush_seconds=0)
+    gen0.log("engines_started", version=0)
+    parent.start_generator("gen0")
+    gen0.log("engines_started", version=0)  # gen0's run is up
+
+    def trainer_waits() -> None:  # three steps, each begun after the last change
+        for _ in range(3):
+            trainer.log("train_step", wait_seconds=3.0, step_seconds=1.0, time=time.time() + 5)
+
+    trainer_waits()
+    assert parent.wanted_generators() == 2, "the trainer waits: one more"
+    parent.scale_to(2)
+    assert parent.started == ["gen0", "gen1"] and parent.still_starting() == ["gen1"]
+    trainer_waits()
+    assert parent.wanted_generators() == 2, "gen1 is still starting: not another one yet"
+    MetricsLog(file_store, "generator-gen1", flush_seconds=0).log("engines_started", version=1)
+    assert parent.still_starting() == []
+    assert parent.wanted_generators() == 3, "gen1 is up and the trainer still waits"
