@@ -4,8 +4,8 @@ Each component (trainer, each generator, evaluation) owns its own file, so no tw
 touch one object. The exception is a deployed run's evaluations: the pipeline's closing one may
 finish within the same milliseconds as a triggered one, and then one line is lost. Object
 storage cannot append, so `MetricsLog` keeps the component's lines and rewrites the object
-atomically, at most every `flush_seconds` and on close: a reader always sees whole lines, and a
-crash loses at most the last few seconds of metrics, never a run's data.
+atomically, at most every `flush_seconds` (longer for a file of many MB) and on close: a reader
+always sees whole lines, and a crash loses at most the last seconds of metrics, never a run's data.
 """
 
 from __future__ import annotations
@@ -18,6 +18,9 @@ from typing import Any
 from infra.storage import RunStore, StorageRejected
 
 METRICS = "metrics"
+FLUSH_BYTES_PER_SECOND = 1_000_000
+"""A metrics file over this size is rewritten at most this many bytes a second, averaged
+(`MetricsLog.flush_interval`)."""
 
 
 class MetricsLog:
@@ -28,17 +31,28 @@ class MetricsLog:
         self.key = f"{METRICS}/{component}.jsonl"
         self.flush_seconds = flush_seconds
         self.lines = self._existing_lines()
+        self._bytes = sum(len(line) + 1 for line in self.lines)
         self._flushed_at = 0.0
         self._dirty = False
 
     def log(self, event: str, **fields: Any) -> dict:
         """Record one event (wall time added); returns the record."""
         record = {"event": event, "time": time.time(), **{k: _plain(v) for k, v in fields.items()}}
-        self.lines.append(json.dumps(record, allow_nan=False))
+        line = json.dumps(record, allow_nan=False)
+        self.lines.append(line)
+        self._bytes += len(line) + 1
         self._dirty = True
-        if time.monotonic() - self._flushed_at >= self.flush_seconds:
+        if time.monotonic() - self._flushed_at >= self.flush_interval():
             self.flush()
         return record
+
+    def flush_interval(self) -> float:
+        """`flush_seconds`, or a second per MB written so far if that is longer: every flush
+        rewrites the whole file, and a long run's generator file (a line per group) reaches tens
+        of MB, which every 2 s would be that many MB/s of writes for a few lines each time."""
+        if self._bytes < FLUSH_BYTES_PER_SECOND:
+            return self.flush_seconds  # 0 (tests, one-off records): every record
+        return max(self.flush_seconds, self._bytes / FLUSH_BYTES_PER_SECOND)
 
     def flush(self) -> None:
         if self._dirty:

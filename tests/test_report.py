@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import time
 
+import pytest
+
 from configs.schema import StorageConfig
 from infra.storage import open_run_store
 from tasks.learner import LEDGER_KEY, Ledger
@@ -129,3 +131,15 @@ def test_a_metrics_tail_reads_only_what_was_written_since_and_starts_over_on_a_r
     assert [r["event"] for r in tail.records()] == ["other"]
     store.delete("metrics/generator-gen0.jsonl")
     assert tail.records() == []
+
+
+def test_a_large_metrics_file_is_rewritten_less_often(file_store):
+    log = MetricsLog(file_store, "generator-gen0", flush_seconds=0)
+    log.log("group", samples=8)
+    assert log.flush_interval() == 0 and len(read_metrics(file_store, "generator-gen0")) == 1, "small: every record"
+    log.log("group", note="x" * 3_000_000)
+    assert log.flush_interval() == pytest.approx(3.0, rel=0.01)
+    log.log("group", samples=8)
+    assert len(read_metrics(file_store, "generator-gen0")) == 1, "3 MB to write: not rewritten again within 3 s"
+    log.flush()
+    assert len(read_metrics(file_store, "generator-gen0")) == 3
