@@ -42,7 +42,7 @@ from configs.schema import RunConfig
 from flows.evaluation import evaluation
 from flows.generation import generation
 from flows.progress import print_summary, quiet_task_run_logs, watch_run
-from flows.scaling import clear_scale_request, initial_generation_runs
+from flows.scaling import clear_scale_request, initial_generation_runs, tag_for_scaling
 from flows.supervisor import Supervisor
 from flows.training import training
 from flows.ui import publish_summary
@@ -132,6 +132,7 @@ def pipeline(config: RunConfig | None = None, run_id: RunId | None = None) -> di
     check_run_inputs(config, store)  # a typo is refused before the lease: the run directory stays as it was
     with hold_run(store, f"{flow_run.get_name()} ({flow_run.get_id()})") as claim:  # RunInUse: another pipeline has it
         if config.prefect.mode == "deployed":
+            tag_for_scaling(flow_run.get_id())
             clear_scale_request(config.run_id)
         url = initialize(config)
         print(f"run directory: {url}")

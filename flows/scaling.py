@@ -2,7 +2,7 @@
 (`initial_generation_runs`), and what `tandem scale` asks for mid-run, a Prefect variable per run
 (`scale_variable`, holding a `scale_request`) that the parent (flows/supervisor.py) reads at every
 watch and the pipeline clears as it takes the run and as it ends (`clear_scale_request`).
-`running_pipeline` finds the run a request reaches.
+`running_pipeline` finds the run a request reaches, by the tag `tag_for_scaling` makes sure it has.
 
 A variable rather than a message to the parent: the CLI needs nothing from the parent's process,
 and a request set before the parent reads it (or from the Prefect UI) is not lost.
@@ -66,6 +66,16 @@ def scale_request(generators: int) -> dict:
 def clear_scale_request(run_id: str) -> None:
     """Drop the run's `tandem scale` request: one lasts for the pipeline run it was made during."""
     Variable.unset(scale_variable(run_id))
+
+
+def tag_for_scaling(flow_run_id) -> None:
+    """Give pipeline run `flow_run_id` the tag RUN_TAG, which `running_pipeline` looks for, if it
+    lacks it: a run of tandem's deployment has it, one that `tandem run` started in deployed mode
+    (the flow called in the CLI's process) does not, and `tandem scale` could not reach it."""
+    with get_client(sync_client=True) as client:
+        run = client.read_flow_run(flow_run_id)
+        if RUN_TAG not in run.tags:
+            client.update_flow_run(flow_run_id, tags=[*run.tags, RUN_TAG])
 
 
 def running_pipeline(run_id: str) -> FlowRun | None:

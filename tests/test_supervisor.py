@@ -12,11 +12,14 @@ from uuid import UUID, uuid4
 
 import httpx
 import pytest
+from prefect import flow
+from prefect.runtime import flow_run as prefect_flow_run
 from prefect.states import Cancelled, Failed, Running, Scheduled
+from prefect.testing.utilities import prefect_test_harness
 
 import flows.supervisor as supervisor
 from configs.schema import RunConfig
-from flows.scaling import scale_request
+from flows.scaling import running_pipeline, scale_request, tag_for_scaling
 from flows.supervisor import Supervisor
 from tasks.lag import SlotClaims, request_retire, retire_requested, stop_reason
 from tasks.metrics import MetricsLog
@@ -294,3 +297,17 @@ def test_autoscale_waits_for_a_generator_it_started_to_bring_its_engines_up(file
     MetricsLog(file_store, "generator-gen1", flush_seconds=0).log("engines_started", version=1)
     assert parent.still_starting() == []
     assert parent.wanted_generators() == 3, "gen1 is up and the trainer still waits"
+
+
+@flow(name="pipeline")
+def _pipeline_started_in_this_process(run_id: str) -> tuple[bool, bool]:
+    """A pipeline called in this process, as `tandem run` calls it in deployed mode: no deployment
+    gave it RUN_TAG."""
+    before = running_pipeline(run_id) is not None
+    tag_for_scaling(prefect_flow_run.get_id())
+    return before, running_pipeline(run_id) is not None
+
+
+def test_tandem_scale_reaches_a_pipeline_that_was_not_started_from_a_deployment():
+    with prefect_test_harness():
+        assert _pipeline_started_in_this_process("called") == (False, True)
