@@ -149,8 +149,8 @@ def test_a_generators_in_flight_record_stays_fresh_while_its_loop_is_held_up(fil
         return json.loads(file_store.read_bytes(f"{IN_FLIGHT_PREFIX}/gen0.json"))["at"]
 
     running, finishing = Future(), Future()
-    chunks = [_Chunk(SimpleNamespace(wrapped_future=running), version=3, groups=2),
-              _Chunk(SimpleNamespace(wrapped_future=finishing), version=4, groups=5)]  # fmt: skip
+    chunks = [_Chunk(SimpleNamespace(wrapped_future=running), version=3, slots=[0, 1]),
+              _Chunk(SimpleNamespace(wrapped_future=finishing), version=4, slots=[2, 3, 4, 5, 6])]  # fmt: skip
     with InFlightReport(file_store, "gen0", chunks, refresh_seconds=0.05) as report:
         report.maybe_publish()
         first = published_at()
