@@ -81,6 +81,9 @@ class Ledger:
     """Samples by fate (quarantined counts shards: a corrupt shard's rows cannot be counted)."""
     lost_groups: int = 0
     """Groups that will never be trained (stale or quarantined): generators may replace them."""
+    dropped_groups: list[str] = field(default_factory=list)
+    """Group ids dropped as stale: a later copy of one (an adopted claim's first owner committing
+    after all) is a duplicate, neither a second loss nor trained after its replacement was owed."""
     lags: list[int] = field(default_factory=list)
     """Lag of every trained group, in training order."""
 
@@ -166,7 +169,7 @@ class Learner:
         groups, max_lag = self.config.training.prompts_per_step, self.config.lag.max_lag
         model = self.trainer.model.config
         chosen: dict[str, pa.Table] = {}
-        seen_groups = set(self.ledger.trained_groups)
+        seen_groups = set(self.ledger.trained_groups) | set(self.ledger.dropped_groups)
         started = time.monotonic()
         self.poll_seconds = 0.0
         shared_losses = self.ledger.lost_groups
@@ -185,6 +188,7 @@ class Learner:
                 publish_trainer_state(self.store, TrainerState(self.version, shared_losses))
             batch, stale = select_batch(self._candidates(exclude=chosen), self.version, max_lag, groups - len(chosen))
             self._drop_stale([c.key for c in stale])
+            seen_groups.update(self.ledger.dropped_groups)
             if batch and waits_for_last_chance(batch, self.version, max_lag, lambda: groups_in_flight(self.store)):
                 batch = []
             if not batch:
@@ -198,7 +202,7 @@ class Learner:
                 self._dispose(key, "quarantined", samples=1)
             for key, table in valid.tables.items():
                 group = table["group_id"][0].as_py()
-                if group in seen_groups:  # a copy of a group trained before, or already in this batch
+                if group in seen_groups:  # a copy of a group trained or dropped before, or already in this batch
                     self._dispose(key, "duplicate", samples=table.num_rows)
                 else:
                     seen_groups.add(group)
@@ -353,13 +357,20 @@ class Learner:
 
     def _drop_stale(self, keys: list[str]) -> None:
         """Dispose of shards past the lag bound: as stale, or as a duplicate if their group was
-        trained from another copy (no replacement is owed for that one)."""
+        trained or dropped from another copy (no replacement is owed for that one, or one is
+        already)."""
         valid = read_valid_shards(self.store, keys, current_version=self.version)
         for key in valid.quarantined:
             self._dispose(key, "quarantined", samples=1)
-        trained = set(self.ledger.trained_groups)
+        accounted = set(self.ledger.trained_groups) | set(self.ledger.dropped_groups)
         for key, table in valid.tables.items():
-            self._dispose(key, "duplicate" if table["group_id"][0].as_py() in trained else "stale", samples=table.num_rows)
+            group = table["group_id"][0].as_py()
+            if group in accounted:
+                self._dispose(key, "duplicate", samples=table.num_rows)
+            else:
+                accounted.add(group)
+                self.ledger.dropped_groups.append(group)
+                self._dispose(key, "stale", samples=table.num_rows)
 
     def _dispose(self, key: str, fate: str, samples: int) -> None:
         self.ledger.disposed[key] = fate

@@ -411,3 +411,22 @@ def test_a_trainer_past_the_damaged_snapshot_publishes_its_own_version_in_its_pl
     learner._repair_rejected_snapshots(waited=60.0)
     assert snapshot_versions(store) == [0, 1] and latest_version(store) == 1
     assert rejection_reports(store) == {}
+
+
+def test_a_group_dropped_stale_is_lost_once_and_a_later_copy_of_it_is_a_duplicate(tmp_path: Path):
+    """Two copies of one group in different version directories (an adopted claim's first owner
+    committing after all): the older dropped as stale owed one replacement, and the newer was
+    then trained as well; two stale copies were two losses."""
+    learner = make_learner(tmp_path)  # max_lag 1
+    for version, first in ((0, 0), (1, 2)):
+        for slot in (first, first + 1):
+            rollouts = [dataclasses.replace(r, group_id=f"s{slot:08d}") for r in make_rollouts(n=4, version=version)]
+            write_shard(learner.store, rollouts, "gen0", slot)
+        learner.train_step(learner.admit_batch(poll_seconds=0.01))
+    stale = [write_group(learner, "s00000005", seq=5, version=0), write_group(learner, "s00000005", seq=6, version=0)]
+    fresh = write_group(learner, "s00000005", seq=7, version=2)
+    write_fresh(learner, 10)
+    batch = learner.admit_batch(poll_seconds=0.01)
+    assert fresh not in batch and learner.ledger.disposed[fresh] == "duplicate"
+    assert sorted(learner.ledger.disposed[k] for k in stale) == ["duplicate", "stale"]
+    assert learner.ledger.lost_groups == 1 and learner.ledger.dropped_groups == ["s00000005"]
