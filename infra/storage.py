@@ -230,16 +230,17 @@ class RunStore:
         else:
             self._retry(self.fs.pipe_file, self.path(key), data)
 
-    def put_if_absent(self, key: str, data: bytes) -> bool:
+    def put_if_absent(self, key: str, data: bytes, *, sync: bool = False) -> bool:
         """Create `key` with `data` unless it exists. Returns False (and writes nothing) if it did.
 
         A retry after a lost response may find the object that its own first attempt created;
         it then returns False, which callers treat as "already committed" (writes are idempotent).
-        On file:// there is no fsync: what is committed this way is checked by content on read
-        (see the module docstring).
+        On file:// there is no fsync unless `sync`: what is committed this way is checked by
+        content on read (see the module docstring); a caller that deletes the only other copy
+        next asks for one.
         """
         if self.protocol == "file":
-            return self._retry(self._write_local, key, data, replace=False, sync=False)
+            return self._retry(self._write_local, key, data, replace=False, sync=sync)
         if self.protocol == "s3":
             return self._retry(self._put_if_absent_s3, key, data)
         with _MEMORY_LOCK:

@@ -371,7 +371,7 @@ def quarantine_shard(store: RunStore, key: str, data: bytes, reason: str) -> str
         target = f"{target}.{digest[:16]}"
     record = {"key": key, "reason": reason, "quarantined_at": time.time(), "sha256": digest}
     store.write_atomic(f"{target}.reason.json", json.dumps(record, indent=1).encode())
-    if not store.put_if_absent(target, data) and store.read_bytes(target) != data:
+    if not store.put_if_absent(target, data, sync=True) and store.read_bytes(target) != data:  # on disk before the delete
         raise RuntimeError(f"{target} was written concurrently with other bytes; {key} kept")
     store.delete(key)
     return target

@@ -39,6 +39,7 @@ from tasks.shards import (
     decode_shard,
     encode_shard,
     list_shards,
+    quarantine_shard,
     read_shard,
     read_valid_shards,
     rollouts_to_table,
@@ -503,3 +504,14 @@ def test_shard_writes_survive_a_storage_outage(tmp_path: Path):
         assert result.quarantined == {} and len(result.tables) == 20
     finally:
         server.stop()
+
+
+def test_on_file_the_quarantined_copy_is_on_disk_before_the_shard_is_deleted(file_store: RunStore, monkeypatch):
+    """Without the fsync, a power cut could keep the delete and the copy's link but not its bytes."""
+    key = shard_key(1, "gen0", 0)
+    data = put_raw(file_store, key, b"not parquet")
+    synced: list[bytes] = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(os.pread(fd, 64, 0)) or real_fsync(fd))
+    quarantine_shard(file_store, key, data, "not a readable Parquet file")
+    assert data in synced and not file_store.exists(key)
