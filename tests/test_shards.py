@@ -510,8 +510,8 @@ def test_on_file_the_quarantined_copy_is_on_disk_before_the_shard_is_deleted(fil
     """Without the fsync, a power cut could keep the delete and the copy's link but not its bytes."""
     key = shard_key(1, "gen0", 0)
     data = put_raw(file_store, key, b"not parquet")
-    synced: list[bytes] = []
+    synced: list[int] = []  # inodes
     real_fsync = os.fsync
-    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(os.pread(fd, 64, 0)) or real_fsync(fd))
-    quarantine_shard(file_store, key, data, "not a readable Parquet file")
-    assert data in synced and not file_store.exists(key)
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(os.fstat(fd).st_ino) or real_fsync(fd))
+    target = quarantine_shard(file_store, key, data, "not a readable Parquet file")
+    assert file_store.local_path(target).stat().st_ino in synced and not file_store.exists(key)
