@@ -179,14 +179,12 @@ class Trainer:
         self.sampling_temperature = sampling_temperature
         if ref_model is not None:
             ref_model.eval().requires_grad_(False)
-        self.optimizer = torch.optim.AdamW(
-            model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay
-        )
+        # fused: one kernel over every parameter, without the multi-tensor path's temporaries
+        # (its square root of the second moments is a float32 copy the size of the model)
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)
         self.warmup_optimizer: torch.optim.AdamW | None = None
         if version == 0:
-            self.warmup_optimizer = torch.optim.AdamW(
-                model.parameters(), lr=cfg.warmup_lr, weight_decay=cfg.weight_decay
-            )
+            self.warmup_optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.warmup_lr, weight_decay=cfg.weight_decay, fused=True)
         if cfg.gradient_checkpointing:  # transformers before 5.2x has only the older name
             enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
             enable({"use_reentrant": False})
