@@ -293,7 +293,7 @@ def scale(
     with prefect_server_reached(url):
         if (pipeline_run := running_pipeline(run_id)) is None:
             fail(f"no pipeline of run {run_id!r} is running on {url}: nothing to scale", code=1)
-        Variable.set(scale_variable(run_id), scale_request(generators), overwrite=True)
+        Variable.set(scale_variable(run_id), scale_request(generators, str(pipeline_run.id)), overwrite=True)
     console.print(f"run {run_id}: asked for {generators} generation run{'s' if generators != 1 else ''} (variable {scale_variable(run_id)})")
     if (policy := autoscale_of(pipeline_run.parameters)) is not None:
         bounded = min(max(generators, policy.min), policy.max)

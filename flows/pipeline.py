@@ -133,7 +133,7 @@ def pipeline(config: RunConfig | None = None, run_id: RunId | None = None) -> di
     with hold_run(store, f"{flow_run.get_name()} ({flow_run.get_id()})") as claim:  # RunInUse: another pipeline has it
         if config.prefect.mode == "deployed":
             tag_for_scaling(flow_run.get_id())
-            clear_scale_request(config.run_id)
+            clear_scale_request(config.run_id, unless_for=flow_run.get_id())
         url = initialize(config)
         print(f"run directory: {url}")
         return _train_and_report(config, store, url, claim)

@@ -56,16 +56,25 @@ def requested_count(request) -> int | None:
     return request if isinstance(request, int) and not isinstance(request, bool) else None
 
 
-def scale_request(generators: int) -> dict:
+def scale_request(generators: int, pipeline_run: str | None = None) -> dict:
     """The variable's value for a request of `generators` runs. It carries the time it was made,
     so that a request for the count of an earlier one is still news to the parent: autoscale
-    may have moved the run away from it since."""
-    return {"generators": generators, "requested_at": time.time()}
+    may have moved the run away from it since; and the pipeline run it was made for, which
+    keeps it when it clears what an earlier pipeline of the run left (`clear_scale_request`)."""
+    return {"generators": generators, "requested_at": time.time(), "pipeline_run": pipeline_run}
 
 
-def clear_scale_request(run_id: str) -> None:
-    """Drop the run's `tandem scale` request: one lasts for the pipeline run it was made during."""
-    Variable.unset(scale_variable(run_id))
+def clear_scale_request(run_id: str, unless_for: str | None = None) -> None:
+    """Drop the run's `tandem scale` request: one lasts for the pipeline run it was made during.
+    A pipeline that takes the run clears what an earlier one left, but not a request made for
+    itself (`unless_for`, its flow run id): `tandem scale` finds it Running a few seconds before
+    it gets there, and a request made then was dropped while the CLI said it was made."""
+    name = scale_variable(run_id)
+    if unless_for is not None:
+        request = Variable.get(name, default=None)
+        if isinstance(request, dict) and request.get("pipeline_run") == unless_for:
+            return
+    Variable.unset(name)
 
 
 def tag_for_scaling(flow_run_id) -> None:

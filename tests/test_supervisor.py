@@ -16,10 +16,11 @@ from prefect import flow
 from prefect.runtime import flow_run as prefect_flow_run
 from prefect.states import Cancelled, Failed, Running, Scheduled
 from prefect.testing.utilities import prefect_test_harness
+from prefect.variables import Variable
 
 import flows.supervisor as supervisor
 from configs.schema import RunConfig
-from flows.scaling import running_pipeline, scale_request, tag_for_scaling
+from flows.scaling import clear_scale_request, running_pipeline, scale_request, scale_variable, tag_for_scaling
 from flows.supervisor import Supervisor
 from tasks.lag import SlotClaims, request_retire, retire_requested, stop_reason
 from tasks.metrics import MetricsLog
@@ -300,14 +301,22 @@ def test_autoscale_waits_for_a_generator_it_started_to_bring_its_engines_up(file
 
 
 @flow(name="pipeline")
-def _pipeline_started_in_this_process(run_id: str) -> tuple[bool, bool]:
+def _pipeline_started_in_this_process(run_id: str) -> dict:
     """A pipeline called in this process, as `tandem run` calls it in deployed mode: no deployment
-    gave it RUN_TAG."""
-    before = running_pipeline(run_id) is not None
+    gave it RUN_TAG. Then what its start clears of the run's scale requests."""
+    found = {"before tagging": running_pipeline(run_id) is not None}
     tag_for_scaling(prefect_flow_run.get_id())
-    return before, running_pipeline(run_id) is not None
+    found["after"] = running_pipeline(run_id) is not None
+    name = scale_variable(run_id)
+    for made_for in ("an earlier pipeline run", prefect_flow_run.get_id()):
+        Variable.set(name, scale_request(3, made_for), overwrite=True)
+        clear_scale_request(run_id, unless_for=prefect_flow_run.get_id())
+        found[made_for == prefect_flow_run.get_id()] = Variable.get(name, default=None) is not None
+    return found
 
 
-def test_tandem_scale_reaches_a_pipeline_that_was_not_started_from_a_deployment():
+def test_tandem_scale_reaches_a_pipeline_that_was_not_started_from_a_deployment_even_as_it_starts():
+    """A request made between the pipeline's start and its clearing of earlier ones is kept."""
     with prefect_test_harness():
-        assert _pipeline_started_in_this_process("called") == (False, True)
+        found = _pipeline_started_in_this_process("called")
+    assert found == {"before tagging": False, "after": True, False: False, True: True}
