@@ -31,6 +31,7 @@ CONFIG_KEY = "config.json"
 OPERATIONAL_FIELDS = (
     "run_id", "storage.root", "storage.endpoint_url", "storage.retry_seconds", "storage.keep_last_snapshots",
     "storage.keep_every_snapshot", "storage.keep_last_checkpoints", "training.steps", "training.checkpoint_every", "training.micro_batch_size",
+    "training.gradient_checkpointing",
     "training.device", "training.compute_dtype", "storage.key", "storage.secret", "storage.credentials_block",
     "generation.engines",
     "generation.prompts_per_chunk", "generation.hand_off_stragglers", "env.eval_prompts", "prefect", "dask", "engine",

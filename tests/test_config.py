@@ -196,6 +196,9 @@ def test_init_writes_config_and_snapshot_once_and_refuses_a_changed_config(tmp_p
         again = runner.invoke(app, [*args, "--set", operational])
         assert again.exit_code == 0, f"{operational} changes how the run is run, not what it trains: {again.output}"
     assert json.loads((run_dir / "config.json").read_text()) == recorded, "config.json keeps the first start's values"
+    older = dict(recorded, training={k: v for k, v in recorded["training"].items() if k != "gradient_checkpointing"})
+    (run_dir / "config.json").write_text(json.dumps(older))  # recorded before the field existed
+    assert runner.invoke(app, args).exit_code == 0, "a run from before training.gradient_checkpointing is continued"
 
 
 def test_a_run_is_found_however_its_root_is_spelt_and_its_url_names_it(tmp_path: Path, monkeypatch):
