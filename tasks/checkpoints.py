@@ -40,6 +40,9 @@ from infra.storage import RunStore
 CHECKPOINTS = "checkpoints"
 STATE_FORMAT = "tandem-checkpoint/1"
 _STEP_DIR = re.compile(r"step(\d{8})")
+STEP_IMPLEMENTATION = ("fused", "foreach", "capturable")
+"""Optimizer options that choose how a step is computed, not what it computes: a resumed
+optimizer keeps its own."""
 
 
 @dataclass
@@ -120,6 +123,10 @@ def load_checkpoint(
         json.loads((local / "optimizer.json").read_text()), load_file(local / "optimizer.safetensors")
     )
     load_model(model, local / "model.safetensors", strict=True)
+    # How the step is computed stays the optimizer's own: a checkpoint from before the trainer's
+    # AdamW was fused would turn it back to the multi-tensor path, and its temporaries, for good.
+    optimizer_state["param_groups"] = [saved | {k: group[k] for k in STEP_IMPLEMENTATION if k in group}
+                                       for saved, group in zip(optimizer_state["param_groups"], optimizer.param_groups)]  # fmt: skip
     optimizer.load_state_dict(optimizer_state)
     _restore_rng(load_file(local / "rng.safetensors"), json.loads((local / "rng.json").read_text()))
     return CheckpointState(step=step, ledger=list(state["ledger"]), extra=dict(state["extra"]))

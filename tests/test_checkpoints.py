@@ -125,3 +125,21 @@ def test_corrupt_optimizer_state_is_refused(store, tmp_path) -> None:
     with pytest.raises(ManifestError, match="optimizer.safetensors: sha256"):
         load_checkpoint(store, resumed, resumed_optimizer, tmp_path / "cache")
     assert all(torch.equal(p, q) for p, q in zip(resumed.parameters(), before, strict=True))
+
+
+def test_a_resumed_optimizer_keeps_its_own_step_implementation(store, tmp_path) -> None:
+    """A checkpoint of a multi-tensor AdamW (the trainer's before it was fused) loaded into a
+    fused one: fused it stays, with the same state and the same next step."""
+    model, optimizer = fresh(seed=0)
+    train_step(model, optimizer)
+    save_checkpoint(store, 1, model, optimizer, [])
+    resumed = build_model(TINY, VOCAB, seed=1)
+    fused = torch.optim.AdamW(resumed.parameters(), lr=1e-2, betas=(0.8, 0.95), weight_decay=0.1, fused=True)
+    load_checkpoint(store, resumed, fused, tmp_path / "cache")
+    assert fused.param_groups[0]["fused"] is True and fused.param_groups[0]["betas"] == (0.8, 0.95)
+    torch.manual_seed(5)
+    train_step(model, optimizer)
+    torch.manual_seed(5)
+    train_step(resumed, fused)
+    for got, want in zip(resumed.parameters(), model.parameters(), strict=True):
+        torch.testing.assert_close(got, want)
