@@ -74,6 +74,9 @@ the SIGTERM, and what follows the wait (the lease's release, the scale request's
 before that, or the run stays held, and refused to a new pipeline, until the lease goes stale."""
 
 
+BOOT_WAIT_SECONDS = 900.0
+"""Longest a started generation run holds autoscale's additions while its engines come up: an
+SGLang engine's first start may take that long (infra/engines/sglang.py start_timeout)."""
 START_WARNING_SECONDS = 120.0
 """How long a child run may wait for a worker before the parent says so: about ten times a
 start's usual few seconds, and nothing else would tell the user why the run does not move."""
@@ -140,9 +143,10 @@ class Supervisor:
         self.pipeline = PipelineWatch(self.store, claim)
         self.metrics: dict[str, MetricsTail] = {}
         """Component -> its metrics file, read as it grows (autoscale looks every watch)."""
-        self.booting: dict[str, int] = {}
-        """Producer -> `engines_started` records its metrics held when its run was started: until
-        there is one more, the run is still starting (a worker's pickup, an engine's boot)."""
+        self.booting: dict[str, tuple[int, float]] = {}
+        """Producer -> `engines_started` records its metrics held when its run was started, and
+        when: until there is one more, the run is still starting (a worker's pickup, an engine's
+        boot), for BOOT_WAIT_SECONDS at most."""
         """This pipeline's hold on the run (it holds the lease while the supervisor runs)."""
 
     def start(self, flow_name: str, **parameters) -> FlowRun:
@@ -161,7 +165,7 @@ class Supervisor:
     def start_generator(self, producer: str) -> None:
         withdraw_retire(self.store, producer)
         self.generators[producer] = self.start("generation", producer=producer).id
-        self.booting[producer] = self._engine_starts(producer)
+        self.booting[producer] = (self._engine_starts(producer), time.monotonic())
 
     def _records(self, component: str) -> list[dict]:
         return self.metrics.setdefault(component, MetricsTail(self.store, component)).records()
@@ -170,11 +174,13 @@ class Supervisor:
         return sum(r["event"] == "engines_started" for r in self._records(f"generator-{producer}"))
 
     def still_starting(self) -> list[str]:
-        """Generation runs started that have not yet brought their engines up. Autoscale waits
-        for them: until then the trainer's idle share says nothing of what they will add, and
-        with SGLang's minutes of boot it added a run every cooldown up to the maximum."""
-        for producer, before in list(self.booting.items()):
-            if producer not in self.generators or self._engine_starts(producer) > before:
+        """Generation runs started that have not yet brought their engines up. Autoscale adds
+        none while one is starting: until then the trainer's idle share says nothing of what it
+        will add, and with SGLang's minutes of boot the parent added a run every cooldown up to
+        the maximum. A run that has not started within BOOT_WAIT_SECONDS (no worker free for it)
+        no longer holds scaling up."""
+        for producer, (before, since) in list(self.booting.items()):
+            if producer not in self.generators or time.monotonic() - since > BOOT_WAIT_SECONDS or self._engine_starts(producer) > before:
                 del self.booting[producer]
         return sorted(self.booting)
 
@@ -351,11 +357,13 @@ class Supervisor:
             bounds = f", bounded to {low}-{high}{' by prefect.autoscale' if self.config.prefect.autoscale else ''}"
             self.set_target(bounded, f"tandem scale asked for {count}{bounds if bounded != count else ''}")
         policy = self.config.prefect.autoscale
-        if policy is not None and time.monotonic() - self.changed_at >= policy.cooldown_seconds and not self.still_starting():
+        if policy is not None and time.monotonic() - self.changed_at >= policy.cooldown_seconds:
             since = time.time() - (time.monotonic() - self.changed_at)
             trainer_idle = trainer_idle_fraction(self._records("trainer"), since)
             waits = generator_wait_fraction([self._records(f"generator-{p}") for p in self.generators], since)
             target = autoscale_target(self.target, trainer_idle, waits, policy)
+            if target > self.target and self.still_starting():
+                target = self.target  # a retire is not held: generators idling say so whatever starts
             if target != self.target:
                 self.set_target(target, f"autoscale: trainer idle {_share(trainer_idle)}, generators waiting {_share(waits)}")
         return self.target

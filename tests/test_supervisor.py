@@ -298,6 +298,22 @@ def test_autoscale_waits_for_a_generator_it_started_to_bring_its_engines_up(file
     MetricsLog(file_store, "generator-gen1", flush_seconds=0).log("engines_started", version=1)
     assert parent.still_starting() == []
     assert parent.wanted_generators() == 3, "gen1 is up and the trainer still waits"
+    parent.scale_to(3)
+    monkeypatch.setattr(supervisor, "BOOT_WAIT_SECONDS", 0.0)
+    trainer_waits()
+    assert parent.still_starting() == [] and parent.wanted_generators() == 4, "gen2 found no worker: it holds nothing for good"
+
+
+def test_a_generator_still_starting_does_not_hold_a_retire(file_store, monkeypatch):
+    monkeypatch.setattr(supervisor, "Variable", SimpleNamespace(get=lambda name, default=None: default))
+    parent = parent_of(file_store, max_lag=1, restarts=0)
+    parent.config = RunConfig.model_validate({"prefect": {"autoscale": {"min": 1, "max": 4, "cooldown_seconds": 0}}})
+    parent.target, parent.last_request, parent.changed_at = 2, None, time.monotonic() - 1
+    parent.start_generator("gen0")
+    parent.start_generator("gen1")  # neither has its engines up
+    for producer in ("gen0", "gen1"):
+        MetricsLog(file_store, f"generator-{producer}", flush_seconds=0).log("load", idle_fraction=0.95, time=time.time() + 5)
+    assert parent.still_starting() == ["gen0", "gen1"] and parent.wanted_generators() == 1
 
 
 @flow(name="pipeline")
