@@ -23,6 +23,7 @@ import logging
 import shutil
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -49,6 +50,8 @@ from tasks.snapshots import (
 log = logging.getLogger(__name__)
 RELOAD_RETRY_SECONDS = 10.0
 """How often a generator tries again to load its version into an engine that failed that load."""
+MAX_ABORTS_PER_SLOT = 3
+"""Tries of a group aborted while training goes on before its generator gives the slot up."""
 REJECTION_RECHECK_SECONDS = 5.0
 """How often a generator looks whether a snapshot it rejected has been committed again."""
 
@@ -224,6 +227,8 @@ class Generator:
         until the version is committed anew (tasks/snapshots.py `recommit_snapshot`)."""
         self._rejections_checked_at = 0.0
         self._reloaded_at, self._reload_failures = 0.0, 0
+        self.aborts: Counter[int] = Counter()
+        """Slot -> how often its group was aborted while training went on (`requeue_unfinished`)."""
         self.orphans = self.claims.claimed_by_me(exclude=set(committed))
         """Slots an earlier life of this producer claimed but never committed (it died with them
         in flight). They are generated first: left alone, the capacity they hold would leak,
@@ -339,12 +344,20 @@ class Generator:
         an engine's or an operator's abort, not this run's end) first in line again, and return
         them. A claimed slot is this producer's alone, so left uncommitted it would hold its share
         of the admission window for good and, at max_lag 0, stall the trainer one group short.
-        After training has finished they stay claimed, for a continued run to make."""
+        After training has finished they stay claimed, for a continued run to make; so does a
+        slot aborted more than MAX_ABORTS_PER_SLOT times, whose abort every try meets."""
         unfinished = sorted(set(slots) - {result.slot for result in results})
         if not unfinished or read_trainer_state(self.store).done:
             return []
-        self.orphans.extend(unfinished)
-        return unfinished
+        self.aborts.update(unfinished)
+        given_up = [slot for slot in unfinished if self.aborts[slot] > MAX_ABORTS_PER_SLOT]
+        if given_up:
+            print(f"{self.producer}: groups of slots {given_up} were aborted {MAX_ABORTS_PER_SLOT + 1} times: not generated "
+                  "again in this run of the generator (an abort that every try meets: a prompt longer than the engines' "
+                  "context or KV cache?); they hold admission capacity until a restart generates them")  # fmt: skip
+        requeued = [slot for slot in unfinished if slot not in given_up]
+        self.orphans.extend(requeued)
+        return requeued
 
     def claim_specs(self, most: int, held: int = 0, producers: int = 1, new_claims: bool = True) -> list[GroupSpec]:
         """Up to `most` slots to generate: this producer's orphans first, then (unless

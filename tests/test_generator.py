@@ -89,6 +89,7 @@ def test_a_group_whose_requests_are_aborted_is_not_committed_and_is_generated_ag
     (again,) = gen.claim_specs(1)
     assert again.slot == spec.slot
     assert generate_group(again) is not None and len(list_shards(store)) == 1
+    assert [gen.requeue_unfinished([9], []) for _ in range(4)] == [[9], [9], [9], []], "an abort every try meets: given up"
     publish_trainer_state(store, TrainerState(version=0, done=True))
     assert gen.requeue_unfinished([7], []) == []  # a finished run's aborted groups stay for a continued run
 
