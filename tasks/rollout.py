@@ -5,7 +5,8 @@ An episode alternates model turns and environment steps:
     prompt ids -> engine /generate -> model tokens -> decode -> env.step(action)
                -> observation text -> env tokens -> appended -> next /generate ...
 
-until the environment says done, max_turns is reached, or the context is full. Model tokens are
+until the environment says done, max_turns is reached, or the context is full (the last two ask
+the environment for the reward of an episode cut short, `Environment.truncate`). Model tokens are
 kept exactly as the engine returned them (never decoded and re-encoded), with the engine's
 behaviour logprobs and loss_mask 1; environment tokens are encoded once, with loss_mask 0 and
 logprob 0. So what the trainer scores is byte-for-byte what the engine sampled.
@@ -80,6 +81,11 @@ async def run_episode(
     """Play one episode against the engines behind `client`; returns its trajectory."""
     started = time.time()
     prompt_ids = prompt_token_ids(tokenizer, env.reset(prompt))
+    if len(prompt_ids) >= context_length - 1:
+        raise PromptTooLong(
+            f"prompt {prompt.prompt_id} is {len(prompt_ids)} tokens, leaving no room for an answer in the model's context of "
+            f"{context_length} (model.max_position_embeddings): raise it to the model's own context, or leave such prompts out"
+        )  # fmt: skip
     completion: list[int] = []
     mask: list[int] = []
     logprobs: list[float] = []
@@ -89,6 +95,7 @@ async def run_episode(
         room = context_length - len(prompt_ids) - len(completion) - 1  # SGLang refuses input + new >= context
         if room <= 0:
             finish = "length"
+            reward = env.truncate().reward
             break
         params = sampling.model_copy(update={"n": 1, "max_new_tokens": min(sampling.max_new_tokens, room), "stop_token_ids": stop_ids})
         call_started = time.monotonic()
@@ -104,9 +111,12 @@ async def run_episode(
         finish = meta["finish_reason"]["type"]
         if finish == "abort":
             break
-        step = env.step(tokenizer.decode(tokens, skip_special_tokens=True))
+        step = env.step(turn_text(tokenizer, tokens, stop_ids))
         reward = step.reward
         if step.done:
+            break
+        if turns == max_turns:  # the environment did not end it: nothing follows the last turn
+            reward = env.truncate().reward
             break
         observation = tokenizer.encode(step.observation, add_special_tokens=False)
         observation = observation[: max(0, context_length - len(prompt_ids) - len(completion))]
@@ -130,9 +140,30 @@ async def run_group(
     sampling: SamplingParams,
     **episode_kwargs,
 ) -> list[Rollout]:
-    """`samples` concurrent episodes of one prompt, each with a fresh environment."""
-    episodes = [run_episode(client, make_env(), prompt, tokenizer, sampling, **episode_kwargs) for _ in range(samples)]
-    return list(await asyncio.gather(*episodes))
+    """`samples` concurrent episodes of one prompt, each with a fresh environment. One that
+    raises (an environment's bug, engines that stay away) cancels the others, whose requests
+    the engines then abort: with a plain gather they played on, and the group's retry beside them."""
+    episodes = [asyncio.ensure_future(run_episode(client, make_env(), prompt, tokenizer, sampling, **episode_kwargs))
+                for _ in range(samples)]  # fmt: skip
+    try:
+        return list(await asyncio.gather(*episodes))
+    except BaseException:  # the first error, as it is (a TaskGroup would wrap it in an ExceptionGroup)
+        for episode in episodes:
+            episode.cancel()
+        raise
+
+
+def turn_text(tokenizer: PreTrainedTokenizerBase, tokens: list[int], stop_ids: Iterable[int]) -> str:
+    """A model turn as the environment reads it: without the stop token that closed it, and with
+    every other special token left in as text. Decoding with skip_special_tokens dropped them
+    anywhere in the turn, so "ANSWER 8 <pad> 2" scored as "ANSWER 8 2" and stray special tokens
+    cost the policy nothing."""
+    closed = bool(tokens) and tokens[-1] in set(stop_ids)
+    return tokenizer.decode(tokens[:-1] if closed else tokens, skip_special_tokens=False)
+
+
+class PromptTooLong(ValueError):
+    """A prompt that leaves no room for a model turn in the context: no episode can be played."""
 
 
 def _version_number(reported: str | None, fallback: int) -> int:

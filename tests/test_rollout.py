@@ -23,7 +23,9 @@ from infra.ports import free_port_block
 from tasks.envs import Environment, Prompt, StepResult
 from configs.schema import RunConfig
 from tasks.evaluation import evaluate
-from tasks.rollout import model_eos_ids, prompt_token_ids, run_episode, turn_stop_ids
+from infra.modelfactory import build_tokenizer
+from tasks.envs.calculator import CalculatorEnv
+from tasks.rollout import PromptTooLong, model_eos_ids, prompt_token_ids, run_episode, run_group, turn_stop_ids, turn_text
 from tests.conftest import committed_model_dir, reference_logprobs
 
 pytestmark = pytest.mark.slow
@@ -179,3 +181,103 @@ def test_a_prompt_starts_with_bos_only_where_the_tokenizer_has_one():
     assert with_bos[0] == tokenizer.bos_token_id and len(with_bos) > 1
     tokenizer.bos_token = None
     assert prompt_token_ids(tokenizer, "1+2") == with_bos[1:]
+
+
+class CutShortEnv(ToolEnv):
+    """ToolEnv that never ends an episode itself, and scores one cut short at -0.5."""
+
+    def step(self, action: str) -> StepResult:
+        return StepResult(OBSERVATION, 0.0, False, {})
+
+    def truncate(self) -> StepResult:
+        return StepResult("", -0.5, True, {"end": "truncated"})
+
+
+def play(engine, env_class, max_turns: int, context_length: int = 64, prompt_text: str = "1 + 2 ="):
+    model, url = engine
+    tokenizer = load_tokenizer(model)
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=16, ignore_eos=True)
+
+    async def episode():
+        async with EngineClient([url]) as client:
+            return await run_episode(
+                client, env_class(max_turns), Prompt("train-0", prompt_text, "3"), tokenizer, sampling,
+                max_turns=max_turns, context_length=context_length, loaded_version=4, group_id="g0", producer="gen0",
+            )  # fmt: skip
+
+    return asyncio.run(episode())
+
+
+def test_an_episode_cut_short_is_scored_by_the_environment_and_ends_on_a_model_turn(engine):
+    """At the context or after the last turn with the environment not done, the reward is the
+    environment's for an episode cut short: before, it was the last step's 0.0, which paid a
+    policy better than the penalties of an episode that ran out of turns (CalculatorEnv)."""
+    at_context = play(engine, CutShortEnv, max_turns=50)
+    assert (at_context.reward, at_context.finish_reason) == (-0.5, "length") and at_context.turns < 50
+    out_of_turns = play(engine, CutShortEnv, max_turns=2)
+    assert out_of_turns.reward == -0.5 and out_of_turns.turns == 2
+    assert [mask for mask, _ in groupby(out_of_turns.loss_mask)] == [1, 0, 1], "no tool answer after the last turn"
+
+
+def test_the_calculator_charges_the_malformed_calls_of_an_episode_cut_short():
+    env = CalculatorEnv(max_turns=8, malformed_penalty=0.1)
+    env.reset(env.prompts("train", 1, 0)[0])
+    for _ in range(4):
+        assert not env.step("a b c").done
+    assert env.truncate().reward == pytest.approx(-0.4)
+
+
+def test_a_turn_reaches_the_environment_without_its_closing_stop_token_and_with_any_other_special_token():
+    tokenizer = build_tokenizer()
+    stops = turn_stop_ids(tokenizer)
+    ids = tokenizer.convert_tokens_to_ids
+    answer = [ids(t) for t in ("ANSWER", "8", "2", "<eos>")]
+    assert turn_text(tokenizer, answer, stops) == "ANSWER 8 2"
+    padded = [ids(t) for t in ("ANSWER", "8", "<pad>", "2", "<eos>")]
+    assert turn_text(tokenizer, padded, stops) == "ANSWER 8 <pad> 2"
+    env = CalculatorEnv(max_turns=2)
+    env.reset(Prompt("train-0", "Q 3 5 + 4 7", "8 2"))
+    assert env.step(turn_text(tokenizer, padded, stops)).reward == 0.0, "before, it scored 1.0: the <pad> was dropped"
+    assert turn_text(tokenizer, answer[:-1], stops) == "ANSWER 8 2", "a turn cut at max_new_tokens has no stop token"
+
+
+class BrokenOnceEnv(ToolEnv):
+    """The first episode made raises at its first step; the others play on, counting their steps."""
+
+    made = 0
+    steps = 0
+
+    def __init__(self, max_turns: int):
+        super().__init__(max_turns)
+        BrokenOnceEnv.made += 1
+        self.broken = BrokenOnceEnv.made == 1
+
+    def step(self, action: str) -> StepResult:
+        if self.broken:
+            raise RuntimeError("environment bug")
+        BrokenOnceEnv.steps += 1
+        return StepResult(OBSERVATION, 0.0, False, {})
+
+
+def test_an_episode_that_raises_cancels_the_rest_of_its_group(engine):
+    """Before, the others played on against the engines after the group had failed, beside its retry."""
+    model, url = engine
+    tokenizer = load_tokenizer(model)
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=2, ignore_eos=True)
+
+    async def group_then_wait() -> tuple[int, int]:
+        async with EngineClient([url]) as client:
+            with pytest.raises(RuntimeError, match="environment bug"):
+                await run_group(client, lambda: BrokenOnceEnv(50), Prompt("train-0", "1 + 2 =", "3"), 4, tokenizer, sampling,
+                                max_turns=50, context_length=64, loaded_version=4, group_id="g0", producer="gen0")  # fmt: skip
+            failed_at = BrokenOnceEnv.steps
+            await asyncio.sleep(1.0)
+            return failed_at, BrokenOnceEnv.steps
+
+    failed_at, later = asyncio.run(group_then_wait())
+    assert later == failed_at, f"{later - failed_at} steps played after the group failed"
+
+
+def test_a_prompt_that_leaves_no_room_in_the_context_is_refused_naming_the_setting(engine):
+    with pytest.raises(PromptTooLong, match=r"prompt train-0 is \d+ tokens.*model.max_position_embeddings"):
+        play(engine, ToolEnv, max_turns=1, prompt_text=" ".join(["1"] * 70))

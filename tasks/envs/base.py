@@ -2,7 +2,7 @@
 
 - `Environment`: a Gym-like episode, one instance per episode: the rollout builds a fresh one with
   `cls(max_turns=cfg.max_turns, **cfg.kwargs)`, calls `reset(prompt)`, then alternates model turn
-  and `step(action)` until done. Text in, text out (`Prompt`, `StepResult`, `Segment`): the
+  and `step(action)` until done, or `truncate()` when it cuts the episode short. Text in, text out (`Prompt`, `StepResult`, `Segment`): the
   rollout owns tokens.
 - `sample_prompts`, `is_held_out`: deterministic procedural prompts whose train/eval split is
   decided by a hash of the prompt text alone, so a held-out prompt is never drawn for training,
@@ -76,10 +76,17 @@ class Environment(ABC):
 
     @abstractmethod
     def step(self, action: str) -> StepResult:
-        """Play one model turn. `action` is the turn decoded WITHOUT special tokens (the rollout
-        strips the closing <eot>/<eos>). The observation is tool text that ends with "<eot>" so
+        """Play one model turn. `action` is the turn decoded without the stop token that closed
+        it (<eot>/<eos>); any other special token in it is left in as text. The observation is tool text that ends with "<eot>" so
         the model sees a turn boundary; the rollout tokenizes it as-is. Never raises on any
         action text; raises RuntimeError when called before reset or after done."""
+
+    def truncate(self) -> StepResult:
+        """End an episode the rollout cut short: the context is full, or the last allowed turn
+        did not end it. Returns the episode's reward as this task scores an episode with no
+        answer: the same as one that ran out of turns, or it pays to fill the context instead
+        (0.0 here; a task with penalties charges them). Never raises."""
+        return StepResult("", 0.0, True, {"end": "truncated"})
 
     @abstractmethod
     def demonstration(self, prompt: Prompt) -> list[Segment]:

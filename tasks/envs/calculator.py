@@ -97,9 +97,14 @@ class CalculatorEnv(Environment):
         observation = "ERROR <eot>" if value is None else f"RESULT {spell(value)} <eot>"
         return StepResult(observation, 0.0, False, {"malformed": value is None})
 
+    def truncate(self) -> StepResult:
+        """Cut short (the context full): no answer, and the malformed calls so far charged, as
+        when the turns run out."""
+        return self._end(correct=False, end="truncated")
+
     def _end(self, correct: bool, end: str, malformed: bool = False, credit: float = 0.0) -> StepResult:
         """Close the episode: info says this turn's `malformed`, and `correct`, `malformed_calls`,
-        `turns` and `end` ("answer", "empty" or "max_turns") for the whole episode."""
+        `turns` and `end` ("answer", "empty", "max_turns" or "truncated") for the whole episode."""
         self.prompt = None
         reward = max(float(correct), credit) - self.malformed_penalty * self.malformed
         info = {"malformed": malformed, "correct": correct, "malformed_calls": self.malformed}
