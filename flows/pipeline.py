@@ -11,8 +11,8 @@ ends the trainer's wait for data. Either way the failure propagates. An interrup
 (Ctrl-C) sends the stop request itself, on which the trainer stops and marks itself done, and
 exits anyway if its children have not stopped within `INTERRUPT_GRACE_SECONDS`: a terminal's
 Ctrl-C also reaches the Dask workers and Prefect's temporary server, without which a child can
-wait forever. SIGTERM does the same and then ends the process. The run resumes from its newest
-checkpoint when started again. From its set-up
+wait forever. SIGTERM does the same and then ends the process (at any other moment of a local
+run too: at once, with 143). The run resumes from its newest checkpoint when started again. From its set-up
 to its summary a pipeline holds its run directory's lease (tasks/lease.py): a second pipeline of
 the same run is refused with `RunInUse` instead of training beside it, before it writes anything.
 
@@ -134,9 +134,14 @@ def pipeline(config: RunConfig | None = None, run_id: RunId | None = None) -> di
         if config.prefect.mode == "deployed":
             tag_for_scaling(flow_run.get_id())
             clear_scale_request(config.run_id, unless_for=flow_run.get_id())
-        url = initialize(config)
-        print(f"run directory: {url}")
-        return _train_and_report(config, store, url, claim)
+        try:
+            url = initialize(config)
+            print(f"run directory: {url}")
+            return _train_and_report(config, store, url, claim)
+        except TerminationSignal:  # SIGTERM outside the children's watch (which stops them first)
+            if config.prefect.mode != "local":
+                raise  # a deployed pipeline's worker sent it: the supervisor has stopped its children
+            _exit_now("terminated (SIGTERM)", 128 + signal.SIGTERM)
 
 
 def _train_and_report(config: RunConfig, store: RunStore, url: str, claim: str) -> dict:
@@ -162,6 +167,7 @@ def _train_and_report(config: RunConfig, store: RunStore, url: str, claim: str) 
         try:
             watch_run(config, [trainer, *generators])
         except TerminationSignal:
+            exit_at_a_second_sigterm()
             stop_children(config, "the pipeline was sent SIGTERM")
             exit_once_stopped_or_after_grace([trainer, *generators])
         except BaseException as err:
@@ -251,12 +257,15 @@ def exit_once_stopped_or_after_grace(children: list[PrefectFuture]) -> NoReturn:
     """SIGTERM (a `kill`, a service or container stop): the process ends, once the children
     have stopped or after the grace, with 143. Not through Prefect's handling, which reports a
     crash to the API (retried for minutes when the signal went to the whole process group and
-    the temporary server is gone) and then dies by the signal, skipping the stop of that server.
-    A second SIGTERM exits at once."""
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, lambda *_: _exit_now("terminated again (SIGTERM)", 128 + signal.SIGTERM))
+    the temporary server is gone) and then dies by the signal, skipping the stop of that server."""
     concurrent.futures.wait([child.wrapped_future for child in children], timeout=INTERRUPT_GRACE_SECONDS)
     _exit_now("terminated (SIGTERM)", 128 + signal.SIGTERM)
+
+
+def exit_at_a_second_sigterm() -> None:
+    """From now on SIGTERM exits at once (Prefect's handler would raise in the stop under way)."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda *_: _exit_now("terminated again (SIGTERM)", 128 + signal.SIGTERM))
 
 
 def _exit_now(why: str, code: int = 130) -> NoReturn:

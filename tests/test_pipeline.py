@@ -18,6 +18,7 @@ from configs import TINY_CONFIG
 from flows.cli import run_command
 from configs.schema import StorageConfig
 from flows.pipeline import INTERRUPT_GRACE_SECONDS, score_newest_snapshot
+from infra.prefect_server import descendants
 from infra.storage import open_run_store
 from tasks.lease import check_run_free
 from tasks.snapshots import publish_snapshot_dir, withdraw_after
@@ -233,6 +234,41 @@ def test_an_interrupted_run_stops_its_children_and_exits(tmp_path: Path, whom: s
     if whom == "process":
         assert "did not stop within" not in output, f"its children did not stop by themselves ({took:.1f} s)"
         assert json.loads(trainer_state.read_text())["done"] is True, "the trainer marked itself done"
+
+
+def test_sigterm_during_the_opening_evaluation_ends_the_run_with_143_and_leaves_nothing_running(tmp_path: Path):
+    """Outside the children's watch SIGTERM went Prefect's way: a crash report, then death by the
+    signal, which left Prefect's temporary server (and here the evaluation's engine) running."""
+    overrides = [f"storage.root=file://{tmp_path}", "run_id=evaluating", "training.steps=50", "training.warmup_steps=0",
+                 "env.eval_prompts=64", "dask.n_workers=1"]  # fmt: skip
+    env = os.environ | {"PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    log = (tmp_path / "run.log").open("w")
+    run = subprocess.Popen(run_command(TINY_CONFIG, overrides), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env,
+                           start_new_session=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 300
+        children: list[int] = []
+        while not any(b"engine\0serve" in command_line(pid) for pid in children):  # the opening evaluation's engine
+            assert run.poll() is None and time.monotonic() < deadline, (tmp_path / "run.log").read_text()[-3000:]
+            time.sleep(0.1)
+            children = descendants(run.pid)
+        run.send_signal(signal.SIGTERM)
+        returncode = run.wait(timeout=30)
+        left = lingering([run.pid], children, timeout=15)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(run.pid, signal.SIGKILL)
+    output = (tmp_path / "run.log").read_text()
+    assert returncode == 143, output[-3000:]
+    assert "exiting: terminated (SIGTERM)" in output and not left, f"still alive: {left}"
+    assert not (tmp_path / "evaluating" / "lag" / "trainer.json").exists(), "it ended before training began"
+
+
+def command_line(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:  # gone meanwhile
+        return b""
 
 
 def lingering(sessions: list[int], pids: list[int], timeout: float) -> str:
