@@ -20,6 +20,11 @@ from tasks.envs import load_environment
 from tasks.rollout import model_eos_ids, run_episode
 
 
+HELD_OUT_SPLIT = 2
+"""Which held-out split the built-in environments draw: 2 since commuted twins are one problem
+(tasks/envs/base.py `sample_prompts`); scores recorded under another are not this one's."""
+
+
 def evaluation_setup(config: RunConfig) -> str:
     """A digest of what a score depends on besides the weights: the held-out prompts (seed, how
     many), the environment and how long its episodes may run. Each evaluation record carries it,
@@ -31,6 +36,7 @@ def evaluation_setup(config: RunConfig) -> str:
         "seed": config.seed, "eval_prompts": env.eval_prompts, "entrypoint": env.entrypoint, "kwargs": env.kwargs,
         "max_turns": env.max_turns, "max_new_tokens": generation.max_new_tokens,
         "context_length": config.model.max_position_embeddings,
+        "held_out": HELD_OUT_SPLIT,
     }  # fmt: skip
     return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:16]
 

@@ -24,6 +24,7 @@ from tasks.envs.arithmetic import DIGITS, MAX_DIGITS, answer_reward, operand_ran
 from tasks.envs.base import Environment, Prompt, Segment, Split, StepResult, sample_prompts
 
 OPERATIONS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
+COMMUTATIVE = frozenset("+*")
 
 
 def evaluate(tokens: Sequence[str]) -> int | None:
@@ -71,9 +72,16 @@ class CalculatorEnv(Environment):
         a, b, op = self.operands[a], self.operands[b], self.ops[op]
         return f"Q {spell(a)} {op} {spell(b)}", spell(OPERATIONS[op](a, b))
 
+    def _problem(self, index: int) -> str:
+        """Problem `index`, the operands of + and * in order: a + b and b + a are one problem."""
+        op, pair = divmod(index, len(self.operands) ** 2)
+        a, b = divmod(pair, len(self.operands))
+        op = self.ops[op]
+        return f"{op} {min(a, b)} {max(a, b)}" if op in COMMUTATIVE else f"{op} {a} {b}"
+
     def prompts(self, split: Split, count: int, seed: int) -> list[Prompt]:
         space = len(self.ops) * len(self.operands) ** 2
-        return sample_prompts(split, count, seed, space, self._render)
+        return sample_prompts(split, count, seed, space, self._render, self._problem)
 
     def reset(self, prompt: Prompt) -> str:
         self.prompt, self.turns, self.malformed = prompt, 0, 0
