@@ -12,7 +12,7 @@ ends the trainer's wait for data. Either way the failure propagates. An interrup
 exits anyway if its children have not stopped within `INTERRUPT_GRACE_SECONDS`: a terminal's
 Ctrl-C also reaches the Dask workers and Prefect's temporary server, without which a child can
 wait forever. SIGTERM does the same and then ends the process (at any other moment of a local
-run too: at once, with 143). The run resumes from its newest checkpoint when started again. From its set-up
+run too: at once, with 143); a deployment's run leaves it to Prefect, which records the cancel. The run resumes from its newest checkpoint when started again. From its set-up
 to its summary a pipeline holds its run directory's lease (tasks/lease.py): a second pipeline of
 the same run is refused with `RunInUse` instead of training beside it, before it writes anything.
 
@@ -139,8 +139,8 @@ def pipeline(config: RunConfig | None = None, run_id: RunId | None = None) -> di
             print(f"run directory: {url}")
             return _train_and_report(config, store, url, claim)
         except TerminationSignal:  # SIGTERM outside the children's watch (which stops them first)
-            if config.prefect.mode != "local":
-                raise  # a deployed pipeline's worker sent it: the supervisor has stopped its children
+            if config.prefect.mode != "local" or deployment.get_id():
+                raise  # a worker cancelling its flow run: Prefect records the cancellation
             _exit_now("terminated (SIGTERM)", 128 + signal.SIGTERM)
 
 
@@ -166,7 +166,10 @@ def _train_and_report(config: RunConfig, store: RunStore, url: str, claim: str) 
         trainer = run_training.submit(config, claim)
         try:
             watch_run(config, [trainer, *generators])
-        except TerminationSignal:
+        except TerminationSignal as err:
+            if deployment.get_id():  # a worker cancelling its flow run: Prefect records the cancellation
+                stop_children(config, f"the pipeline failed: {err!r}")
+                raise
             exit_at_a_second_sigterm()
             stop_children(config, "the pipeline was sent SIGTERM")
             exit_once_stopped_or_after_grace([trainer, *generators])
