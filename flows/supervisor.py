@@ -141,13 +141,13 @@ class Supervisor:
         self.api_lost_at: float | None = None
         """When the Prefect API stopped answering the watch loop; None while it answers."""
         self.pipeline = PipelineWatch(self.store, claim)
+        """This pipeline's hold on the run (it holds the lease while the supervisor runs)."""
         self.metrics: dict[str, MetricsTail] = {}
         """Component -> its metrics file, read as it grows (autoscale looks every watch)."""
         self.booting: dict[str, tuple[int, float]] = {}
         """Producer -> `engines_started` records its metrics held when its run was started, and
         when: until there is one more, the run is still starting (a worker's pickup, an engine's
         boot), for BOOT_WAIT_SECONDS at most."""
-        """This pipeline's hold on the run (it holds the lease while the supervisor runs)."""
 
     def start(self, flow_name: str, **parameters) -> FlowRun:
         """Start a child run. Its idempotency key names this pipeline's claim, the child's role
