@@ -21,8 +21,9 @@ from tasks.rollout import model_eos_ids, run_episode
 
 
 HELD_OUT_SPLIT = 2
-"""Which held-out split the built-in environments draw: 2 since commuted twins are one problem
-(tasks/envs/base.py `sample_prompts`); scores recorded under another are not this one's."""
+"""Which held-out prompts the built-in environments draw: 2 since a problem is held out only if
+its operands-swapped twin is too (tasks/envs/base.py `sample_prompts`); scores recorded under
+another are not this one's."""
 
 
 def evaluation_setup(config: RunConfig) -> str:

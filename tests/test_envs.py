@@ -25,6 +25,7 @@ from tasks.envs import (
     split_prompts,
 )
 from tasks.envs.arithmetic import AdditionEnv
+from tasks.envs.base import is_held_out
 from tasks.envs.calculator import CalculatorEnv
 
 UNK_ID = 3
@@ -84,7 +85,7 @@ def play(env: Environment, prompt: Prompt, segments: list[Segment], tokenizer):
 @pytest.mark.parametrize("name", ENVS)
 def test_prompts_deterministic_and_disjoint(name):
     env = ENVS[name]()
-    train, held_out = env.prompts("train", 2000, seed=7), env.prompts("eval", 500, seed=7)
+    train, held_out = env.prompts("train", 2000, seed=7), env.prompts("eval", 300, seed=7)
     assert train == ENVS[name]().prompts("train", 2000, seed=7)
     assert train != env.prompts("train", 2000, seed=8)
     other_seed = {p.text for p in env.prompts("train", 2000, seed=8)}
@@ -92,6 +93,7 @@ def test_prompts_deterministic_and_disjoint(name):
     for split, prompts in (("train", train), ("eval", held_out)):
         assert len({p.text for p in prompts}) == len({p.prompt_id for p in prompts}) == len(prompts)
         assert all(p.prompt_id.startswith(f"{split}-") for p in prompts)
+        assert all(is_held_out(p.text) == (split == "eval") for p in prompts)
     ids = {p.text: p.prompt_id for p in env.prompts("train", 2000, seed=8)}
     assert all(ids.get(p.text, p.prompt_id) == p.prompt_id for p in train)
 
@@ -303,7 +305,8 @@ def test_calculator_partial_credit_counts_answer_digits_and_keeps_the_penalty():
 @pytest.mark.parametrize("env", [AdditionEnv(digits=1), CalculatorEnv(digits=1, ops=["+", "-", "*"])], ids=["addition", "calculator"])
 def test_a_held_out_problem_is_not_trained_on_with_its_operands_swapped(env):
     """Split by text, "5 4 + 6 4 =" was held out and "6 4 + 5 4 =" trained on: 155 of 200
-    held-out addition prompts had their twin in training. Subtraction's swapped twin is another problem."""
+    held-out addition prompts had their twin in training. Subtraction's swapped twin is another
+    problem. The training prompts are the same as before (chosen by their own text)."""
     def problem(text: str) -> tuple:
         words = text.removeprefix("Q ").removesuffix(" =").split()
         at = next(i for i, w in enumerate(words) if w in "+-*" and i > 0)

@@ -53,13 +53,13 @@ class AdditionEnv(Environment):
         a, b = self.operands[a], self.operands[b]
         return f"{spell(a)} + {spell(b)} =", spell(a + b)
 
-    def _problem(self, index: int) -> str:
-        """Problem `index` with its operands in order: a + b and b + a are one problem."""
+    def _twins(self, index: int) -> list[int]:
+        """b + a for a + b: the same problem."""
         a, b = divmod(index, len(self.operands))
-        return f"{min(a, b)} + {max(a, b)}"
+        return [b * len(self.operands) + a]
 
     def prompts(self, split: Split, count: int, seed: int) -> list[Prompt]:
-        return sample_prompts(split, count, seed, len(self.operands) ** 2, self._render, self._problem)
+        return sample_prompts(split, count, seed, len(self.operands) ** 2, self._render, self._twins)
 
     def reset(self, prompt: Prompt) -> str:
         self.prompt = prompt

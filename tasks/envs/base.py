@@ -5,9 +5,9 @@
   and `step(action)` until done, or `truncate()` when it cuts the episode short. Text in, text out (`Prompt`, `StepResult`, `Segment`): the
   rollout owns tokens.
 - `sample_prompts`, `is_held_out`: deterministic procedural prompts whose train/eval split is
-  decided by a hash of the problem alone (its text, or a canonical form where texts that differ
-  pose the same problem), so a held-out problem is never drawn for training, whatever the seeds
-  and counts.
+  decided by a hash of the prompt text alone, a problem held out only if each of its texts is
+  (a + b and b + a), so a held-out problem is never drawn for training, whatever the seeds and
+  counts.
 - `load_environment`: "package.module:Class" -> the class, with errors that name the entrypoint.
 - `load_prompts`, `split_prompts`: prompt files from storage (JSONL or Parquet) and their split.
 """
@@ -104,30 +104,38 @@ def is_held_out(text: str, fraction: float = HELD_OUT_FRACTION) -> bool:
 
 
 def sample_prompts(
-    split: Split, count: int, seed: int, space: int, render: Render, problem: Callable[[int], str] | None = None,
+    split: Split, count: int, seed: int, space: int, render: Render, twins: Callable[[int], list[int]] | None = None,
 ) -> list[Prompt]:  # fmt: skip
     """`count` distinct problems of `split` from a space of `space` problems, where `render(i)`
     gives problem i's (text, answer). The id is f"{split}-{i:06d}", stable across seeds and
     counts. Raises ValueError when the split has fewer than `count` problems.
 
-    `problem(i)`: what decides problem i's split, where texts that differ pose the same problem
-    (default: its text). Addition's operands in either order are one problem: split by text,
-    155 of 200 held-out addition prompts had their swapped twin among the training ones."""
-    problem = problem or (lambda i: render(i)[0])
+    `twins(i)`: the other indices that pose problem i's problem in another text (b + a for a + b).
+    A problem is held out only if every text of it is: by text alone, 155 of 200 held-out
+    addition prompts had their operands-swapped twin among the training prompts. Training
+    prompts are still chosen by their own text, so a run's training prompts stay as they were;
+    a text held out whose twin is not is in neither split."""
+    twins = twins or (lambda i: [])
+
+    def in_split(i: int) -> bool:
+        if not held_out:
+            return not is_held_out(render(i)[0])
+        return is_held_out(render(i)[0]) and all(is_held_out(render(j)[0]) for j in twins(i))
+
     if split not in ("train", "eval") or count < 0:
         raise ValueError(f"need split 'train' or 'eval' and count >= 0, got {split!r}, {count}")
     held_out = split == "eval"
     rng = random.Random(seed)
     chosen: dict[int, None] = {}  # an insertion-ordered set
     if space <= _ENUMERATE_LIMIT:
-        pool = [i for i in range(space) if is_held_out(problem(i)) == held_out]
+        pool = [i for i in range(space) if in_split(i)]
         chosen = dict.fromkeys(rng.sample(pool, min(count, len(pool))))
     else:
         for _ in range(100 * count + 10_000):
             if len(chosen) == count:
                 break
             i = rng.randrange(space)
-            if i not in chosen and is_held_out(problem(i)) == held_out:
+            if i not in chosen and in_split(i):
                 chosen[i] = None
     if len(chosen) < count:
         raise ValueError(f"asked for {count} {split} prompts, found {len(chosen)} distinct ones")

@@ -72,16 +72,17 @@ class CalculatorEnv(Environment):
         a, b, op = self.operands[a], self.operands[b], self.ops[op]
         return f"Q {spell(a)} {op} {spell(b)}", spell(OPERATIONS[op](a, b))
 
-    def _problem(self, index: int) -> str:
-        """Problem `index`, the operands of + and * in order: a + b and b + a are one problem."""
+    def _twins(self, index: int) -> list[int]:
+        """b op a for a op b when op is + or *: the same problem."""
         op, pair = divmod(index, len(self.operands) ** 2)
         a, b = divmod(pair, len(self.operands))
-        op = self.ops[op]
-        return f"{op} {min(a, b)} {max(a, b)}" if op in COMMUTATIVE else f"{op} {a} {b}"
+        if self.ops[op] not in COMMUTATIVE:
+            return []
+        return [op * len(self.operands) ** 2 + b * len(self.operands) + a]
 
     def prompts(self, split: Split, count: int, seed: int) -> list[Prompt]:
         space = len(self.ops) * len(self.operands) ** 2
-        return sample_prompts(split, count, seed, space, self._render, self._problem)
+        return sample_prompts(split, count, seed, space, self._render, self._twins)
 
     def reset(self, prompt: Prompt) -> str:
         self.prompt, self.turns, self.malformed = prompt, 0, 0
