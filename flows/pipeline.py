@@ -115,7 +115,8 @@ def pipeline(config: RunConfig | None = None, run_id: RunId | None = None) -> di
     A deployment run's `config` that leaves out the prefect section is refused: it is a partial
     config, which would run in local mode on the training worker's disk.
     """
-    if config is not None and deployment.get_id() and "prefect" not in config.model_fields_set:
+    from_deployment = deployment.get_id() is not None  # asked now: later the API may be gone (a SIGTERM to the group)
+    if config is not None and from_deployment and "prefect" not in config.model_fields_set:
         raise ConfigError(
             "the config parameter has no prefect section, so the run would take RunConfig's defaults: mode "
             "'local' (generation inside this training worker) and storage.root file://./runs on its disk. "
@@ -137,14 +138,14 @@ def pipeline(config: RunConfig | None = None, run_id: RunId | None = None) -> di
         try:
             url = initialize(config)
             print(f"run directory: {url}")
-            return _train_and_report(config, store, url, claim)
+            return _train_and_report(config, store, url, claim, from_deployment)
         except TerminationSignal:  # SIGTERM outside the children's watch (which stops them first)
-            if config.prefect.mode != "local" or deployment.get_id():
+            if config.prefect.mode != "local" or from_deployment:
                 raise  # a worker cancelling its flow run: Prefect records the cancellation
             _exit_now("terminated (SIGTERM)", 128 + signal.SIGTERM)
 
 
-def _train_and_report(config: RunConfig, store: RunStore, url: str, claim: str) -> dict:
+def _train_and_report(config: RunConfig, store: RunStore, url: str, claim: str, from_deployment: bool) -> dict:
     checkpoint = latest_checkpoint_step(store) or 0
     withdrawn = reopen_run(store, checkpoint)
     if withdrawn:
@@ -167,7 +168,7 @@ def _train_and_report(config: RunConfig, store: RunStore, url: str, claim: str) 
         try:
             watch_run(config, [trainer, *generators])
         except TerminationSignal as err:
-            if deployment.get_id():  # a worker cancelling its flow run: Prefect records the cancellation
+            if from_deployment:  # a worker cancelling its flow run: Prefect records the cancellation
                 stop_children(config, f"the pipeline failed: {err!r}")
                 raise
             exit_at_a_second_sigterm()
