@@ -8,8 +8,11 @@ import socket
 
 
 _after_last_block: int | None = None
-"""Where this process's next search starts: past the block it returned last, which the server it
-was for may not have bound yet (SeaweedFS binds its admin port a while after it answers S3)."""
+"""Where this process's next search starts: past the block it returned last."""
+
+_handed_out: set[int] = set()
+"""Every port this process was given: the server it was for may not have bound it yet (SeaweedFS
+binds its admin port a while after it answers S3), so a bind test alone would hand it out again."""
 
 
 def free_port_block(count: int = 1, start: int = 20000, end: int = 32000) -> int:
@@ -19,14 +22,18 @@ def free_port_block(count: int = 1, start: int = 20000, end: int = 32000) -> int
     free is not taken a moment later by some client's connection. A process's first search
     starts at a point drawn from its pid, so that processes looking at once rarely pick the same
     block (drawn, not a multiple of it: processes started together, such as pytest workers, have
-    consecutive pids), and each later one past its last block."""
+    consecutive pids), and each later one past its last block, going round to `start` at the end
+    (drawing again there gave the first block a second time)."""
     global _after_last_block
     seed = _after_last_block
-    if seed is None or not start <= seed < end - count:
+    if seed is None:
         seed = start + random.Random(os.getpid()).randrange(end - start - count)
-    for base in list(range(seed, end - count, count)) + list(range(start, seed, count)):
-        if all(_port_is_free(port) for port in range(base, base + count)):
+    seed = min(max(seed, start), end - count)
+    for base in list(range(seed, end - count + 1, count)) + list(range(start, seed, count)):
+        block = range(base, base + count)
+        if _handed_out.isdisjoint(block) and all(_port_is_free(port) for port in block):
             _after_last_block = base + count
+            _handed_out.update(block)
             return base
     raise RuntimeError(f"no block of {count} free ports between {start} and {end}")
 

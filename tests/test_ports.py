@@ -13,3 +13,19 @@ def test_blocks_asked_in_turn_do_not_overlap_before_their_servers_bind():
     blocks = [(free_port_block(9), 9), (free_port_block(9), 9), (free_port_block(1), 1), (free_port_block(2), 2)]
     ports = [port for base, count in blocks for port in range(base, base + count)]
     assert len(ports) == len(set(ports)) == 21
+
+
+def test_a_search_that_reaches_the_end_goes_round_without_giving_a_block_twice():
+    """The search after a block near `end` started over at the pid's draw, which gave the first
+    block again (CI: two blocks of 9 at 31987). It goes round to `start` now, and a port handed
+    out is never handed out again, bound or not."""
+    start, end = 30400, 30430
+    blocks = []
+    for _ in range(10):
+        try:
+            blocks.append(free_port_block(9, start=start, end=end))
+        except RuntimeError:
+            break
+    ports = [port for base in blocks for port in range(base, base + 9)]
+    assert len(blocks) >= 2 and len(ports) == len(set(ports))
+    assert all(start <= port < end for port in ports)
