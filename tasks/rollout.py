@@ -44,9 +44,15 @@ def turn_stop_ids(tokenizer: PreTrainedTokenizerBase, model_eos: Iterable[int] =
     handed off to another engine ends where its aborted part's last token is one of them
     (SGLang keeps the token of the decode step an abort lands in, and the abort wins over the
     end token: infra/engines/handoff.py). A model may end on tokens besides its tokenizer's
-    EOS: Qwen's instruct models on <|im_end|> and <|endoftext|>."""
-    ids = {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids(EOT_TOKEN), *model_eos}
-    return sorted(i for i in ids if i is not None and i != tokenizer.unk_token_id)
+    EOS: Qwen's instruct models on <|im_end|> and <|endoftext|>.
+
+    Only the end-of-turn lookup is checked: a tokenizer without <eot> answers it with its unknown
+    token (or None). Leaving out the unknown token everywhere dropped the caller's end tokens when
+    one was it, and EOS itself for tokenizers whose EOS is their unknown token (GPT-2's)."""
+    eot = tokenizer.convert_tokens_to_ids(EOT_TOKEN)
+    has_eot = eot is not None and tokenizer.convert_ids_to_tokens(eot) == EOT_TOKEN
+    ids = {tokenizer.eos_token_id, *model_eos, *([eot] if has_eot else [])}
+    return sorted(i for i in ids if i is not None)
 
 
 def model_eos_ids(model_dir: Path) -> list[int]:

@@ -14,17 +14,18 @@ from itertools import groupby
 from pathlib import Path
 
 import pytest
+from tokenizers import Tokenizer, models
+from transformers import PreTrainedTokenizerFast
 
+from configs.schema import RunConfig
 from infra.engines.api import SamplingParams
 from infra.engines.client import EngineClient
 from infra.engines.process import cpu_engine_process
-from infra.modelfactory import load_tokenizer
+from infra.modelfactory import build_tokenizer, load_tokenizer
 from infra.ports import free_port_block
 from tasks.envs import Environment, Prompt, StepResult
-from configs.schema import RunConfig
-from tasks.evaluation import evaluate
-from infra.modelfactory import build_tokenizer
 from tasks.envs.calculator import CalculatorEnv
+from tasks.evaluation import evaluate
 from tasks.rollout import PromptTooLong, model_eos_ids, prompt_token_ids, run_episode, run_group, turn_stop_ids, turn_text
 from tests.conftest import committed_model_dir, reference_logprobs
 
@@ -133,6 +134,18 @@ def test_the_models_end_tokens_come_from_its_generation_config(tmp_path: Path):
     tokenizer = load_tokenizer(committed_model_dir(tmp_path / "m", seed=0))
     assert set(turn_stop_ids(tokenizer)) | {151643} == set(turn_stop_ids(tokenizer, [151643]))
 
+
+
+def test_every_end_token_stays_a_stop_token_though_it_is_the_tokenizers_unknown_token():
+    """The unknown token was left out of the stop tokens (to drop a missing <eot>'s lookup), so a
+    caller's end token that was it did not end a turn, nor EOS where it is the unknown token."""
+    tokenizer = build_tokenizer()
+    eos, eot, unk = (tokenizer.convert_tokens_to_ids(t) for t in ("<eos>", "<eot>", "<unk>"))
+    assert turn_stop_ids(tokenizer) == sorted({eos, eot})
+    assert unk in turn_stop_ids(tokenizer, [unk]), "a caller's end token is kept, whatever it is"
+    core = Tokenizer(models.WordLevel({"<|endoftext|>": 0, "a": 1}, unk_token="<|endoftext|>"))
+    gpt2_like = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|endoftext|>", unk_token="<|endoftext|>")
+    assert turn_stop_ids(gpt2_like) == [0], "EOS is the unknown token, and there is no <eot>"
 
 class OneTokenEnv(Environment):
     """Single turn; reward 1 when the model's answer is at most one token long."""
