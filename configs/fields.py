@@ -36,7 +36,7 @@ MAX_GENERATION_RUNS = 256
 """Generation runs one deployed run may have (prefect.generators, autoscale, `tandem scale`)."""
 
 MAX_SLOTS = 999_999
-"""Prompt groups one run may generate (steps x prompts_per_step): a shard key numbers them in six
+"""Prompt groups one run may generate ((steps + max_lag + 1) x prompts_per_step): a shard key numbers them in six
 digits (tasks/shards.py)."""
 
 ROOT_PATTERN = r"^(?:file://|memory://|s3:///*[^/])"

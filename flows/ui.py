@@ -18,7 +18,8 @@ step's update writes the progress again. The event needs no such care: Prefect's
 queues it and sends it again once it reconnects.
 
 Artifact keys are derived from the run id, lowercased, with every character Prefect does not
-allow in a key (only lowercase letters, digits and dashes) turned into a dash.
+allow in a key (only lowercase letters, digits and dashes) turned into a dash and, when that changed
+it, a digest of the run id appended (so `exp_1` and `exp-1` do not share artifacts).
 """
 
 from __future__ import annotations
