@@ -263,6 +263,21 @@ def test_a_trainer_resumed_past_the_snapshots_kept_publishes_its_own_version(tmp
     assert load_snapshot(resumed.store, tmp_path / "check", 1) and read_trainer_state(resumed.store).version == 1
 
 
+
+def test_the_final_weights_are_published_though_publish_every_skips_the_last_version(tmp_path: Path):
+    """steps 3 at publish_every 2: LATEST stayed v2 while the trainer finished at v3, so the closing
+    evaluation, the summary and a promotion named weights one step old."""
+    learner = make_learner(tmp_path, "training.publish_every=2", "training.steps=3", "lag.max_lag=2")
+    publish_snapshot(learner.store, learner.trainer.model, learner.tokenizer, 0)
+    for slot in range(6):
+        write_group(learner, f"s{slot:08d}", seq=slot)
+    for _ in range(3):
+        learner.train_step(learner.admit_batch(poll_seconds=0.01))
+    assert snapshot_versions(learner.store) == [0, 2]
+    learner.finish()
+    assert snapshot_versions(learner.store) == [0, 2, 3] and latest_version(learner.store) == 3
+    assert read_trainer_state(learner.store).done
+
 def test_a_step_whose_pipeline_gave_the_run_up_writes_nothing(tmp_path: Path):
     """The training flow's check between the step and its writes raises once another pipeline has
     the run: no snapshot, no trainer state, for the successor's generators to meet."""
