@@ -57,7 +57,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from infra.manifest import MANIFEST_NAME, commit_directory, fetch_directory, read_manifest
+from infra.manifest import MANIFEST_NAME, build_manifest, commit_directory, fetch_directory, read_manifest
 from infra.storage import RunStore
 
 if TYPE_CHECKING:  # transformers' model classes import torch, which the rollout side never needs
@@ -135,9 +135,27 @@ def publish_snapshot_dir(store: RunStore, local_dir: Path, version: int, take_fi
     `replaces`: the manifest digest of a damaged commit of this version (`recommit_snapshot`)."""
     prefix = snapshot_prefix(version)
     extra = {"version": version} | ({"replaces": replaces} if replaces else {})
-    commit_directory(store, local_dir, prefix, extra=extra, take_files=take_files)
+    if not commit_directory(store, local_dir, prefix, extra=extra, take_files=take_files):
+        _check_same_snapshot(store, local_dir, version)
     move_latest_forward(store, version)
     return version
+
+
+class SnapshotConflict(RuntimeError):
+    """A version already committed with other files than the publisher's: another trainer's."""
+
+
+def _check_same_snapshot(store: RunStore, local_dir: Path, version: int) -> None:
+    """A version found committed is a retried publish of the same weights, or another trainer's
+    (a trainer whose pipeline lost the run to a restart, still publishing; a training run started
+    without its pipeline, which withdraws what follows the checkpoint). Taking the second for the
+    first would let generators serve other weights under this trainer's version, as on-policy."""
+    if read_manifest(store, snapshot_prefix(version))["files"] != build_manifest(local_dir)["files"]:
+        raise SnapshotConflict(
+            f"snapshot v{version} is committed already with other weights ({store.url_of(snapshot_prefix(version))}): "
+            "another trainer of this run published it. Start the run again (tandem run): it withdraws the snapshots "
+            "after its last checkpoint and resumes from there"
+        )  # fmt: skip
 
 
 def move_latest_forward(store: RunStore, version: int) -> None:

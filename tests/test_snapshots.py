@@ -27,6 +27,7 @@ from infra.manifest import (
     build_manifest,
     commit_directory,
     fetch_directory,
+    read_manifest,
     verify_local_dir,
 )
 from infra.modelfactory import build_model, build_tokenizer, load_model, load_tokenizer
@@ -35,6 +36,7 @@ from tasks.generator import snapshot_dir_for_engines
 from tests.conftest import s3_requests
 from tasks.snapshots import (
     PINS,
+    SnapshotConflict,
     SnapshotMissing,
     apply_retention,
     latest_version,
@@ -338,6 +340,20 @@ def test_withdrawing_after_a_checkpoint_moves_latest_back_and_deletes_the_later_
     publish_snapshot_dir(store, fake_snapshot(resumed, 2), 2)
     assert latest_version(store) == 2, "the resumed trainer's v2 moves LATEST forward as any publish does"
 
+
+
+def test_a_version_committed_with_other_weights_is_a_conflict_not_a_retried_publish(store, tmp_path) -> None:
+    """Publishing a committed version again was taken as a retry whatever the files: a trainer
+    whose version another trainer of the run had published went on, and the generators served the
+    other trainer's weights under its version."""
+    first = fake_snapshot(tmp_path, 1)
+    publish_snapshot_dir(store, first, 1)
+    (retry := tmp_path / "retry").mkdir()
+    publish_snapshot_dir(store, fake_snapshot(retry, 1), 1)  # the same files: a retried publish
+    (other := tmp_path / "other").mkdir()
+    with pytest.raises(SnapshotConflict, match="v1 is committed already with other weights"):
+        publish_snapshot_dir(store, fake_snapshot(other, 2), 1)
+    assert read_manifest(store, snapshot_prefix(1))["files"] == build_manifest(first)["files"], "left as it was"
 
 def test_withdrawing_back_to_a_version_not_kept_is_refused(store, tmp_path) -> None:
     for version in (0, 2):
