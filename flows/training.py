@@ -90,7 +90,8 @@ def training(config: RunConfig, pipeline_claim: str | None = None) -> dict:
 
 
 def _train(config: RunConfig, store: RunStore, cache: Path, pipeline: PipelineWatch) -> dict:
-    store.clear_staging()  # what a killed trainer left half-written
+    if aborted := store.clear_staging():  # what a killed trainer left half-written
+        print(f"aborted {len(aborted)} upload(s) a killed trainer left unfinished: {', '.join(aborted)}")
     initial = load_snapshot(store, cache / "weights", version=0)
     device = trainer_device(config)
     model, stored_dtype = load_trainable_model(initial, device)

@@ -274,11 +274,33 @@ class RunStore:
         path.mkdir(parents=True, exist_ok=True)
         return path
 
-    def clear_staging(self) -> None:
-        """Remove what a killed writer left in `staging_dir` (the trainer calls it as it starts:
-        it is the run's one writer of snapshots and checkpoints)."""
+    def clear_staging(self) -> list[str]:
+        """Remove what a killed writer left half-written (the trainer calls it as it starts: it
+        is the run's one writer of snapshots and checkpoints, its only large files): on file://
+        `staging_dir`; on S3 the run's multipart uploads that never completed, whose parts no
+        listing shows and the bucket keeps, and bills, until they are aborted (a trainer killed
+        mid-publish left a snapshot's worth each time). Returns the keys of the uploads aborted.
+        Credentials without the right to list or abort uploads (s3:ListBucketMultipartUploads,
+        s3:AbortMultipartUpload) get a warning, not a trainer that cannot start."""
         if self.protocol == "file":
             shutil.rmtree(self.path(STAGING), ignore_errors=True)
+        if self.protocol != "s3":
+            return []
+        bucket, _, base = self.base.partition("/")
+        aborted, markers = [], {}
+        try:
+            while True:
+                answer = self._retry(self.fs.call_s3, "list_multipart_uploads", Bucket=bucket, Prefix=f"{base}/", **markers)
+                for upload in answer.get("Uploads", []):
+                    self._retry(self.fs.call_s3, "abort_multipart_upload", Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])
+                    aborted.append(self._key_of(f"{bucket}/{upload['Key']}"))
+                if not answer.get("IsTruncated"):
+                    return aborted
+                markers = {"KeyMarker": answer["NextKeyMarker"], "UploadIdMarker": answer["NextUploadIdMarker"]}
+        except PermissionError as err:
+            log.warning("could not abort the incomplete uploads under %s (their parts stay billed: a lifecycle rule "
+                        "AbortIncompleteMultipartUpload removes them): %s", self.url, err)  # fmt: skip
+            return aborted
 
     def delete(self, key: str) -> None:
         """Remove one object; a missing one is not an error."""

@@ -129,6 +129,31 @@ def test_a_taken_staging_file_is_linked_and_a_kept_file_copied(file_store: RunSt
     assert not staging.exists() and file_store.read_bytes("weights/v1/model.safetensors") == b"snapshot bytes"
 
 
+@pytest.mark.s3
+def test_the_multipart_uploads_a_killed_trainer_left_are_aborted_as_the_next_one_starts(seaweed: SeaweedServer):
+    """A trainer killed mid-publish left a snapshot's worth of parts no listing shows and the bucket
+    kept: the next trainer's start aborts the run's incomplete uploads, and no other run's."""
+    config = s3_storage_config(seaweed)
+    store, other = open_run_store(config, "run-a"), open_run_store(config, "run-b")
+    bucket = store.base.partition("/")[0]
+
+    def start_upload(run: RunStore, key: str) -> None:
+        object_key = run.path(key).partition("/")[2]
+        upload = run.fs.call_s3("create_multipart_upload", Bucket=bucket, Key=object_key)
+        run.fs.call_s3("upload_part", Bucket=bucket, Key=object_key, UploadId=upload["UploadId"], PartNumber=1, Body=b"x" * 1024)
+
+    def pending(run: RunStore) -> list[str]:
+        answer = run.fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=run.path("").partition("/")[2] + "/")
+        return [upload["Key"] for upload in answer.get("Uploads", [])]
+
+    start_upload(store, "weights/v00000003/model.safetensors")
+    start_upload(store, "checkpoints/step-00000002/optimizer.pt")
+    start_upload(other, "weights/v00000001/model.safetensors")
+    assert store.list_recursive("") == [], "the parts are in no listing"
+    assert sorted(store.clear_staging()) == ["checkpoints/step-00000002/optimizer.pt", "weights/v00000003/model.safetensors"]
+    assert pending(store) == [] and len(pending(other)) == 1
+    assert store.clear_staging() == []
+
 @pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="needs a second filesystem (tmpfs at /dev/shm)")
 def test_a_taken_file_on_another_filesystem_is_copied(file_store: RunStore):
     with tempfile.TemporaryDirectory(dir="/dev/shm") as other:
