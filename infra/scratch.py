@@ -6,24 +6,37 @@ where, when the work fails. Why not `tempfile.TemporaryDirectory`: a failed flow
 explains the failure (its engines' logs). Why remove at all: every flow run made one and left
 it behind, a copy of the weights each (a real model's is gigabytes), and a long run with
 restarts or an evaluation every few versions filled the disk with them.
+
+A process killed outright (SIGKILL, the OOM killer, a preempted machine) runs no cleanup, so each
+directory names its owner (`.owner`: pid and start time), and making a new one first empties the
+`tandem-*` directories whose owner is gone, keeping their logs as a failure does. On file:// their
+fetched weights are hard links to the store's files, which retention then could not free either.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import shutil
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import psutil
+
 log = logging.getLogger(__name__)
+OWNER_FILE = ".owner"
+SWEPT_PREFIX = "tandem-"
 
 
 @contextmanager
 def scratch_dir(prefix: str) -> Iterator[Path]:
     """A new directory under the system's temporary directory, named `prefix` + random."""
+    sweep_orphaned_scratch(Path(tempfile.gettempdir()))
     path = Path(tempfile.mkdtemp(prefix=prefix))
+    (path / OWNER_FILE).write_text(json.dumps(_owner(os.getpid())))
     try:
         yield path
     except BaseException:
@@ -39,3 +52,40 @@ def _keep_only_logs(path: Path) -> None:
     for file in path.rglob("*"):
         if (file.is_file() or file.is_symlink()) and file.suffix != ".log":
             file.unlink(missing_ok=True)
+
+
+def sweep_orphaned_scratch(parent: Path) -> list[Path]:
+    """Empty, but for their logs, the `tandem-*` directories under `parent` whose owner process is
+    gone; returns them. Another user's, one another process sweeps at the same moment, and one
+    made in another pid namespace (a container sharing the directory), whose processes this one
+    cannot see, are skipped as they are."""
+    swept = []
+    for path in parent.glob(f"{SWEPT_PREFIX}*"):
+        try:
+            owner = json.loads((path / OWNER_FILE).read_text())
+            if owner["namespace"] != _pid_namespace() or _owner(owner["pid"]) == owner:
+                continue
+            (path / OWNER_FILE).unlink()  # first: a second sweeper skips it
+            _keep_only_logs(path)
+        except (OSError, ValueError, KeyError, TypeError):  # no owner named, not ours, or gone meanwhile
+            continue
+        log.warning("emptied %s, left by process %s, which is gone (its logs are kept)", path, owner["pid"])
+        swept.append(path)
+    return swept
+
+
+def _owner(pid: int) -> dict | None:
+    """What names a process: its pid namespace, pid and start time (a pid alone is reused); None
+    if none runs."""
+    try:
+        return {"namespace": _pid_namespace(), "pid": pid, "started": psutil.Process(pid).create_time()}
+    except psutil.Error:
+        return None
+
+
+def _pid_namespace() -> str | None:
+    """This process's pid namespace on Linux ("pid:[4026531836]"); None elsewhere."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
