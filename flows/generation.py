@@ -142,7 +142,7 @@ def generation(config: RunConfig, producer: str = "gen0", pipeline_claim: str | 
 
 def _generate(config: RunConfig, producer: str, cache: Path, pipeline: PipelineWatch) -> dict:
     store = pipeline.store
-    model_dir, version = snapshot_dir_for_engines(config, cache)
+    model_dir, version = snapshot_dir_for_engines(config, cache, producer)
     metrics = MetricsLog(store, f"generator-{producer}")
     totals = {"groups": 0, "samples": 0, "engine_restarts": 0, "weight_updates": 0}
     fleet = EngineFleet(config.engine, config.generation.engines, model_dir, version, cache / "logs", first_engine_of(config, producer))

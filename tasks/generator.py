@@ -397,21 +397,29 @@ class Generator:
         )  # fmt: skip
 
 
-def snapshot_dir_for_engines(config: RunConfig, cache_dir: Path) -> tuple[Path, int]:
+def snapshot_dir_for_engines(config: RunConfig, cache_dir: Path, consumer: str) -> tuple[Path, int]:
     """The newest snapshot that verifies, as a local directory, to start engines on: a damaged
-    newest one is passed over for the one before it (v0 is never retired)."""
+    newest one is passed over for the one before it (v0 is never retired). Each is pinned for
+    `consumer` before its fetch: a generator joining mid-run fetched LATEST unpinned, a few
+    publishes retired it meanwhile, and the missing files were reported as damage. One retired
+    all the same (by a retention pass begun before the pin) sends it back to LATEST."""
     store = open_run_store(config.storage, config.run_id)
-    latest = latest_version(store)
-    if latest is None:
-        raise FileNotFoundError(f"no snapshot under {store.url_of(snapshot_prefix(0))}: run `tandem init` first")
-    rejected = []
-    for version in sorted((v for v in snapshot_versions(store) if v <= latest), reverse=True):
-        try:
-            return load_snapshot(store, cache_dir / "weights", version), version
-        except ManifestError as err:
-            rejected.append(f"v{version}: {err}")
-            log.warning("snapshot v%d failed verification, trying an older one: %s", version, err)
-    raise ManifestError(f"no snapshot of {store.url} verifies: {'; '.join(rejected)}")
+    while True:
+        latest = latest_version(store)
+        if latest is None:
+            raise FileNotFoundError(f"no snapshot under {store.url_of(snapshot_prefix(0))}: run `tandem init` first")
+        rejected = []
+        for version in sorted((v for v in snapshot_versions(store) if v <= latest), reverse=True):
+            pin_snapshot(store, consumer, version)
+            try:
+                return load_snapshot(store, cache_dir / "weights", version), version
+            except ManifestError as err:
+                if version not in snapshot_versions(store):
+                    break  # retired while fetched: LATEST names a newer one
+                rejected.append(f"v{version}: {err}")
+                log.warning("snapshot v%d failed verification, trying an older one: %s", version, err)
+        else:
+            raise ManifestError(f"no snapshot of {store.url} verifies: {'; '.join(rejected)}")
 
 
 class SnapshotRejected(Exception):

@@ -41,7 +41,7 @@ def generator(tmp_path: Path):
         "training.warmup_steps=0",
     ])  # fmt: skip
     initialize_run(config)
-    model_dir, version = snapshot_dir_for_engines(config, tmp_path / "cache")
+    model_dir, version = snapshot_dir_for_engines(config, tmp_path / "cache", "gen0")
     with EngineFleet(config.engine, 1, model_dir, version, tmp_path / "logs") as fleet:
         yield Generator(config, "gen0", fleet, tmp_path / "cache"), open_run_store(config.storage, config.run_id)
 

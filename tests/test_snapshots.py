@@ -447,9 +447,36 @@ def test_engines_start_on_the_newest_snapshot_that_verifies(model, tokenizer, tm
         publish_snapshot(store, model, tokenizer, version)
     damaged = store.local_path("weights/v00000001/model.safetensors")
     damaged.write_bytes(damaged.read_bytes()[:1000])
-    model_dir, version = snapshot_dir_for_engines(config, tmp_path / "cache")
+    model_dir, version = snapshot_dir_for_engines(config, tmp_path / "cache", "gen0")
     assert version == 0 and (model_dir / "model.safetensors").exists()
 
+
+
+def test_engines_start_on_a_pinned_snapshot_and_one_retired_while_fetched_sends_them_to_latest(
+    model, tokenizer, tmp_path: Path, monkeypatch, caplog
+):
+    """A generator joining mid-run fetched LATEST unpinned: a few publishes retired it meanwhile,
+    the missing files were reported as damage and the engines started on an older version."""
+    import tasks.generator
+    from tasks.snapshots import _delete_snapshot, pinned_versions
+
+    config = load_config(TINY_CONFIG, [f"storage.root=file://{tmp_path / 'runs'}"])
+    store = open_run_store(config.storage, config.run_id)
+    for version in (0, 1):
+        publish_snapshot(store, model, tokenizer, version)
+    fetch = tasks.generator.load_snapshot
+
+    def retired_midway(store_, cache, version):
+        if version == 1:  # the trainer publishes v2 and a retention pass begun before the pin retires v1
+            publish_snapshot(store, model, tokenizer, 2)
+            _delete_snapshot(store, 1)
+        return fetch(store_, cache, version)
+
+    monkeypatch.setattr(tasks.generator, "load_snapshot", retired_midway)
+    model_dir, version = snapshot_dir_for_engines(config, tmp_path / "cache", "gen0")
+    assert version == 2 and (model_dir / "model.safetensors").exists()
+    assert "failed verification" not in caplog.text, "a retired snapshot is not damage"
+    assert pinned_versions(store) == {2}, "the engines' version is pinned for the generator"
 
 def test_an_evaluation_of_a_version_not_kept_names_it_and_leaves_no_pin(tmp_path: Path):
     from flows.evaluation import evaluation
