@@ -116,6 +116,9 @@ class EngineConfig(Section):
     """Client-side limit of one /generate call, from sending to the answer, the wait in the
     engine's queue and any pause for a weight load included: past it the engine is taken out of
     rotation and the request retried on another. Keep it above the longest generation expected."""
+    weight_load_timeout_s: float = Field(120.0, gt=0, le=7200)
+    """Most an engine may take to load a snapshot before it counts as failed (then retried): raise
+    it for a model whose weights take longer to read from the generator's disk."""
     tp_size: int = Field(1, ge=1, le=64)
     """Tensor-parallel size of each SGLang engine."""
     mem_fraction_static: float = Field(0.8, gt=0, lt=1)

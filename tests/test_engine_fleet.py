@@ -83,9 +83,9 @@ def test_the_sync_after_one_that_timed_out_on_a_slow_engine_moves_and_continues_
     client's probe, which continues an engine left paused, runs every 0.5 s meanwhile; then the
     sync moves and continues it."""
     models = [committed_model_dir(tmp_path / f"v{i}", seed=i) for i in range(3)]
-    slow = EngineConfig(backend="sim", sim=SimLatencyConfig(load_s_per_gb=1500))
+    slow = EngineConfig(backend="sim", sim=SimLatencyConfig(load_s_per_gb=1500), weight_load_timeout_s=1.0)
     with EngineFleet(slow, 1, models[0], 0, tmp_path / "logs") as fleet:
-        assert [r.ok for r in fleet.update_weights(models[1], 1, timeout=1.0)] == [False]
+        assert [r.ok for r in fleet.update_weights(models[1], 1)] == [False], "engine.weight_load_timeout_s is the limit"
         assert fleet.pause() is True
         time.sleep(2.0)
         assert engine_state(fleet.urls[0])[1] is True, "the probe continued an engine held paused for a sync"

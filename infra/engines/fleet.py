@@ -119,21 +119,24 @@ class EngineFleet:
         pause by up to its own 2 s timeout.)"""
         return self._run(lambda client: client.pause("retract", timeout))
 
-    def update_weights(self, model_dir: Path, version: int, timeout: float = 120.0) -> list[WeightSyncResult]:
+    def update_weights(self, model_dir: Path, version: int, timeout: float | None = None) -> list[WeightSyncResult]:
         """Pause, load snapshot `version` (a verified local directory) and continue every engine
-        that answers; one that does not (hung, or dead until `restart_dead`) is reported failed."""
+        that answers within `timeout` (engine.weight_load_timeout_s); one that does not (hung, or
+        dead until `restart_dead`) is reported failed."""
+        timeout = timeout or self.engine.weight_load_timeout_s
         results = self._run(lambda client: client.update_weights(str(model_dir), str(version), timeout))
         self.model_dir, self.version = model_dir, version
         self._record(results)
         return results
 
-    def reload_behind(self, timeout: float = 120.0) -> list[WeightSyncResult]:
+    def reload_behind(self, timeout: float | None = None) -> list[WeightSyncResult]:
         """Load the fleet's version into every engine that failed to load it (hung through the
         sync, out of memory for a moment): it serves older weights meanwhile, whose groups the lag
         bound may soon drop. The others are left alone. [] when none is behind."""
         behind = [url for url, version in zip(self.urls, self.engine_versions, strict=True) if version != self.version]
         if not behind:
             return []
+        timeout = timeout or self.engine.weight_load_timeout_s
         results = self._run(lambda client: client.update_weights(str(self.model_dir), str(self.version), timeout, only=behind))
         self._record(results)
         return results
