@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import math
 from pathlib import Path
 
 from configs.schema import RunConfig
@@ -73,6 +74,11 @@ async def evaluate(client: EngineClient, model_dir: Path, config: RunConfig, ver
 
     episodes = await asyncio.gather(*(one(p) for p in prompts))
     rewards = [e.reward for e in episodes]
+    if broken := [(p.prompt_id, r) for p, r in zip(prompts, rewards, strict=True) if not math.isfinite(r)]:
+        raise ValueError(
+            f"{config.env.entrypoint} gave held-out prompt {broken[0][0]} the reward {broken[0][1]} ({len(broken)} prompts "
+            "in all): a score must be finite, or it is promoted (NaN beats no score) and then compared with nothing"
+        )  # fmt: skip
     return {
         "version": version,
         "score": sum(rewards) / len(rewards),

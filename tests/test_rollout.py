@@ -147,6 +147,7 @@ def test_every_end_token_stays_a_stop_token_though_it_is_the_tokenizers_unknown_
     gpt2_like = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|endoftext|>", unk_token="<|endoftext|>")
     assert turn_stop_ids(gpt2_like) == [0], "EOS is the unknown token, and there is no <eot>"
 
+
 class OneTokenEnv(Environment):
     """Single turn; reward 1 when the model's answer is at most one token long."""
 
@@ -182,6 +183,33 @@ def test_evaluation_ends_turns_on_the_models_end_tokens(engine, tmp_path: Path):
     assert asyncio.run(score(every_token_ends)) == 1.0
     assert asyncio.run(score(model)) < 1.0, "the control: the engine's own end tokens do not end answers this early"
 
+
+
+class NanRewardEnv(OneTokenEnv):
+    """OneTokenEnv whose reward is NaN on held-out prompt eval-3: an environment's bug."""
+
+    def reset(self, prompt: Prompt) -> str:
+        self.prompt_id = prompt.prompt_id
+        return prompt.text
+
+    def step(self, action: str) -> StepResult:
+        return StepResult("", float("nan") if self.prompt_id == "eval-3" else 1.0, True, {})
+
+
+def test_an_evaluation_that_meets_a_reward_that_is_not_finite_fails_naming_the_prompt(engine):
+    """A NaN score was recorded (as null) and promoted, since nothing compares above NaN; the next
+    retrain then failed on the null it read back."""
+    model, url = engine
+    config = RunConfig.model_validate({
+        "env": {"entrypoint": "tests.test_rollout:NanRewardEnv", "kwargs": {}, "eval_prompts": 8, "max_turns": 1},
+    })  # fmt: skip
+
+    async def score() -> dict:
+        async with EngineClient([url]) as client:
+            return await evaluate(client, model, config, version=4)
+
+    with pytest.raises(ValueError, match="held-out prompt eval-3 the reward nan"):
+        asyncio.run(score())
 
 def test_a_prompt_starts_with_bos_only_where_the_tokenizer_has_one():
     """Qwen2 and Qwen3 tokenizers have no BOS token: a None at the head of every prompt failed
