@@ -21,19 +21,23 @@ from typing import Annotated
 
 from prefect import flow, tags
 from prefect.runtime import flow_run
-from pydantic import Field
+from pydantic import Field, ValidationError
 
 from configs import DEPLOYED_CONFIG, load_config
-from configs.fields import RunId
+from configs.fields import MAX_SLOTS, RunId
 from configs.schema import RunConfig, StorageConfig
-from flows.pipeline import pipeline, score_newest_snapshot
+from flows.evaluation import evaluation
+from flows.pipeline import pipeline, recorded_score, score_newest_snapshot
 from infra.storage import open_run_store
 from tasks.checkpoints import latest_checkpoint_step
-from tasks.evaluation import same_setup
-from tasks.metrics import read_metrics
-from tasks.promotion import promote_if_better, read_promoted
+from tasks.evaluation import evaluation_setup, same_setup
+from tasks.metrics import MetricsLog, read_metrics
+from tasks.promotion import Promotion, promote_if_better, read_promoted, rescore_promoted
 from tasks.rundir import CONFIG_KEY, RunConflict, check_recorded_config, load_run_config
-from tasks.snapshots import latest_version, load_snapshot, snapshot_versions
+from tasks.snapshots import (
+    SnapshotMissing, committed_version, latest_version, load_snapshot, pin_snapshot, snapshot_versions, unpin_snapshot,
+)  # fmt: skip
+
 
 @flow(name="retrain", log_prints=True)
 def retrain(
@@ -62,26 +66,60 @@ def retrain(
             config = _unfinished_successor(source, new_run_id, steps, f"{root}/{new_run_id}", reach)
             successor = open_run_store(config.storage, new_run_id)
             if (latest_checkpoint_step(successor) or 0) >= steps:
+                if compared := [r for r in read_metrics(successor, "retrain") if r.get("event") == "compared"]:
+                    raise RunConflict(
+                        f"run {new_run_id} was started from {run_id} by an earlier retrain, trained its {steps} steps and was "
+                        f"compared with PROMOTED already (v{compared[-1]['version']}: {compared[-1]['verdict']}): a retrain with "
+                        f"new_run_id makes one run. To retrain every night, leave new_run_id out (the run goes on) or give each "
+                        "night its own id"
+                    )  # fmt: skip
                 print(f"run {new_run_id}, which an earlier retrain started from a snapshot of {run_id}, has trained its "
                       f"{steps} steps already; that retrain stopped before comparing it, which this one does now")  # fmt: skip
-                summary = {"eval_before": None, "eval_after": score_newest_snapshot(config, successor)["score"]}
+                record = score_newest_snapshot(config, successor)
+                summary = {"eval_before": None, "eval_after": record["score"], "eval_versions": [None, record["version"]]}
             else:
                 print(f"continuing run {new_run_id}, which an earlier retrain started from a snapshot of {run_id}, to step {steps}")
                 summary = pipeline(config)
         else:
             with tempfile.TemporaryDirectory(prefix="tandem-retrain-") as cache:
-                model_dir = load_snapshot(source_store, Path(cache) / "weights", latest_version(source_store))
+                base, model_dir = _fetch_base(source_store, new_run_id, Path(cache))
                 config = _successor(source, new_run_id, steps, str(model_dir))
-                print(f"starting run {new_run_id} from snapshot v{latest_version(source_store)} of {run_id}")
+                print(f"starting run {new_run_id} from snapshot v{base} of {run_id}")
                 summary = pipeline(config)
     store = open_run_store(config.storage, config.run_id)
-    version = latest_version(store)
-    moved = promote_if_better(source_store, store, version, summary["eval_after"], _bar(config, store, source_store, version, summary))
+    version, setup = summary["eval_versions"][1], evaluation_setup(config)  # the version scored, not LATEST read again
+    current = read_promoted(source_store)
+    if current is not None and current.setup != setup:
+        current = _rescored(current, config, source_store, reach)
+    bar = current.score if current is not None else _bar(config, store, source_store, version, summary)
+    moved = promote_if_better(source_store, store, version, summary["eval_after"], bar, setup)
     promoted = read_promoted(source_store)
     verdict = "promoted" if moved else "not promoted"
+    MetricsLog(store, "retrain", flush_seconds=0).log("compared", version=version, score=summary["eval_after"], verdict=verdict,
+                                                      bar=bar, source=source_store.url)  # fmt: skip
     print(f"v{version} of {config.run_id} scored {summary['eval_after']:.3f}: {verdict}; PROMOTED is "
           + (f"v{promoted.version} of {promoted.run_url} ({promoted.score:.3f})" if promoted else "unset"))  # fmt: skip
     return {"run_id": config.run_id, "version": version, "score": summary["eval_after"], "promoted": moved}
+
+
+def _rescored(promoted: Promotion, config: RunConfig, source_store, reach: list[str]) -> Promotion | None:
+    """PROMOTED's snapshot scored under `config`'s evaluation setup, and so recorded; None (the
+    comparison then goes as with nothing promoted) if that snapshot is gone. Its score of another
+    setup (other held-out prompts, rules or lengths; before setups were recorded, the held-out
+    split that let operand-swapped twins of training problems in) compares with nothing measured
+    now: a fair candidate could lose to it for good, or an unfair one beat it."""
+    holder = load_run_config(promoted.run_url, reach)
+    scoring = config.model_copy(update={"run_id": holder.run_id, "storage": holder.storage})
+    holder_store = open_run_store(scoring.storage, scoring.run_id)
+    print(f"PROMOTED, v{promoted.version} of {promoted.run_url} ({promoted.score:.3f}), was scored under another "
+          "evaluation setup: scoring it under this one")  # fmt: skip
+    try:
+        committed_version(holder_store, promoted.version)
+        record = recorded_score(scoring, holder_store, promoted.version) or evaluation(scoring, promoted.version)
+    except SnapshotMissing as err:
+        print(f"PROMOTED's snapshot cannot be scored again ({err}): compared as if nothing were promoted")
+        return None
+    return rescore_promoted(source_store, promoted, record["score"], record["setup"])
 
 
 def _bar(config: RunConfig, store, source_store, version: int, summary: dict) -> float:
@@ -95,7 +133,7 @@ def _bar(config: RunConfig, store, source_store, version: int, summary: dict) ->
         record["score"]
         for records_of in {store.url: store, source_store.url: source_store}.values()
         for record in read_metrics(records_of, "evaluation")
-        if record.get("event") == "evaluation" and same_setup(record, config)
+        if record.get("event") == "evaluation" and same_setup(record, config) and record.get("score") is not None
         and not (records_of.url == store.url and record.get("version") == version)
     ]  # fmt: skip
     return max(scores, default=summary["eval_before"] if summary["eval_before"] is not None else -float("inf"))
@@ -112,11 +150,36 @@ def run_location(storage_root: str | None, deployed: StorageConfig) -> tuple[str
 
 
 def _continued(source: RunConfig, store, steps: int) -> RunConfig:
-    """The same run, `steps` steps past its newest checkpoint."""
+    """The same run, `steps` steps past its newest checkpoint. A run retrained every night grows
+    to the limit of prompt groups a run may number (configs/fields.py MAX_SLOTS); past it, the
+    error says to go on under a new run id."""
     start = latest_checkpoint_step(store) or 0
     data = source.model_dump()
     data["training"]["steps"] = start + steps
-    return RunConfig.model_validate(data)  # with the config's checks: the slot limit counts the steps
+    try:
+        return RunConfig.model_validate(data)  # with the config's checks: the slot limit counts the steps
+    except ValidationError as err:
+        if "shard key" not in str(err):
+            raise
+        raise ValueError(
+            f"run {source.run_id} has trained {start} steps: {steps} more would number more prompt groups than one run "
+            f"may ({MAX_SLOTS:,}). Retrain it with new_run_id: a new run that starts from its newest snapshot"
+        ) from err
+
+
+def _fetch_base(source_store, new_run_id: str, cache: Path) -> tuple[int, Path]:
+    """The source run's newest snapshot, fetched into `cache`: pinned meanwhile, since the source
+    may still be training and retiring snapshots (unpinned, the fetch failed on retired files)."""
+    consumer = f"retrain-{new_run_id}"
+    base = latest_version(source_store)
+    if base is None:
+        raise SnapshotMissing(f"run {source_store.url} has published no snapshot to start {new_run_id} from")
+    pin_snapshot(source_store, consumer, base)
+    try:
+        committed_version(source_store, base)  # after the pin: retention keeps what it finds
+        return base, load_snapshot(source_store, cache / "weights", base)
+    finally:
+        unpin_snapshot(source_store, consumer)
 
 
 def _successor(source: RunConfig, new_run_id: str, steps: int, model_path: str) -> RunConfig:

@@ -44,11 +44,9 @@ def evaluation_setup(config: RunConfig) -> str:
 
 
 def same_setup(record: dict, config: RunConfig) -> bool:
-    """Whether an evaluation record was made under `config`'s setup. A record from before
-    setups were recorded counts if its prompt count matches, as all records did then."""
-    if "setup" not in record:
-        return record.get("prompts") == config.env.eval_prompts
-    return record["setup"] == evaluation_setup(config)
+    """Whether an evaluation record was made under `config`'s setup. A record from before setups
+    were recorded never is: the held-out prompts have changed since (HELD_OUT_SPLIT)."""
+    return record.get("setup") == evaluation_setup(config)
 
 
 async def evaluate(client: EngineClient, model_dir: Path, config: RunConfig, version: int, concurrency: int = 64) -> dict:

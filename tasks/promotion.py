@@ -1,14 +1,19 @@
 """The PROMOTED pointer of a run: the best snapshot so far, moved only when a new one scores better.
 
-`{root}/{run_id}/PROMOTED.json` names a run directory, a version and its held-out score. It is
+`{root}/{run_id}/PROMOTED.json` names a run directory, a version, its held-out score and the
+evaluation setup that score was measured under (tasks/evaluation.py `evaluation_setup`). It is
 what a serving system would load, so scheduled retraining (flows/retrain.py) may only ever move
-it forward in score: a retraining that made the policy worse leaves it where it was. The
-promoted snapshot is pinned (consumer `promoted`) so that retention keeps it.
+it forward in score, and only compares scores of one setup: a retraining that made the policy
+worse leaves it where it was, and one evaluated on other prompts or rules has the promoted
+snapshot scored again under its own setup first (`rescore_promoted`). The promoted snapshot is
+pinned (consumer `promoted`) so that retention keeps it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import time
 from dataclasses import asdict, dataclass
 
@@ -20,12 +25,14 @@ PROMOTED_KEY = "PROMOTED.json"
 
 @dataclass(frozen=True)
 class Promotion:
-    """A snapshot named by PROMOTED: which run, which version, what it scored."""
+    """A snapshot named by PROMOTED: which run, which version, what it scored, under which setup
+    (None: recorded before setups were, so comparable with no score measured now)."""
 
     run_url: str
     version: int
     score: float
     at: float = 0.0
+    setup: str | None = None
 
 
 def read_promoted(store: RunStore) -> Promotion | None:
@@ -35,14 +42,25 @@ def read_promoted(store: RunStore) -> Promotion | None:
         return None
 
 
-def promote_if_better(store: RunStore, candidate_store: RunStore, version: int, score: float, baseline: float) -> bool:
-    """Point `store`'s PROMOTED at `candidate_store`'s snapshot `version` if `score` beats the
-    promoted score (or, with nothing promoted yet, `baseline`: the score retraining started
-    from). Returns whether it moved."""
-    current = read_promoted(store)
-    if score <= (current.score if current else baseline):
+def promote_if_better(store: RunStore, candidate_store: RunStore, version: int, score: float, bar: float, setup: str) -> bool:
+    """Point `store`'s PROMOTED at `candidate_store`'s snapshot `version` if its `score`, measured
+    under `setup`, beats `bar`: the promoted snapshot's score under that setup, or with nothing
+    promoted the best the run has recorded. A score that is not a number never moves it. Returns
+    whether it moved."""
+    if not math.isfinite(score) or score <= bar:
         return False
     pin_snapshot(candidate_store, "promoted", version)
-    promotion = Promotion(candidate_store.url, version, score, time.time())
-    store.write_atomic(PROMOTED_KEY, json.dumps(asdict(promotion)).encode())
+    _write(store, Promotion(candidate_store.url, version, score, time.time(), setup))
     return True
+
+
+def rescore_promoted(store: RunStore, promotion: Promotion, score: float, setup: str) -> Promotion:
+    """Record the promoted snapshot's `score` under `setup`, measured again because the one
+    recorded was of another setup; it stays promoted, since when it was."""
+    rescored = dataclasses.replace(promotion, score=score, setup=setup)
+    _write(store, rescored)
+    return rescored
+
+
+def _write(store: RunStore, promotion: Promotion) -> None:
+    store.write_atomic(PROMOTED_KEY, json.dumps(asdict(promotion)).encode())

@@ -156,7 +156,8 @@ def test_retrain_continues_the_run(deployment, finished):
         retrain = client.read_deployment_by_name("retrain/tandem")
     assert [(s.schedule.cron, s.active) for s in retrain.schedules] == [("0 3 * * *", False)]
     store = deployment.store(run_id)
-    below_any = Promotion(store.url, 6, -1e9)  # under any reachable score: the retrain must move PROMOTED
+    setup = next(r["setup"] for r in read_metrics(store, "evaluation") if r["event"] == "evaluation")  # the run's: no rescoring
+    below_any = Promotion(store.url, 6, -1e9, setup=setup)  # under any reachable score: the retrain must move PROMOTED
     store.write_atomic(PROMOTED_KEY, json.dumps(asdict(below_any)).encode())
     out = deployment.cli(_bin("prefect"), "deployment", "run", "retrain/tandem", "--param", f"run_id={run_id}",
                          "--param", "steps=2", "--param", f"storage_root=s3://{deployment.bucket}/runs")  # fmt: skip
@@ -170,7 +171,7 @@ def test_retrain_continues_the_run(deployment, finished):
     scores = {r["version"]: r["score"] for r in read_metrics(store, "evaluation") if r["event"] == "evaluation"}
     promoted = read_promoted(store)
     assert (promoted.run_url, promoted.version, promoted.score) == (store.url, 8, scores[8])
-    above_any = Promotion(store.url, 8, 1e9)  # over any reachable score (rewards are at most 1): nothing may move it
+    above_any = Promotion(store.url, 8, 1e9, setup=setup)  # over any reachable score (rewards are at most 1): nothing may move it
     store.write_atomic(PROMOTED_KEY, json.dumps(asdict(above_any)).encode())
 
     out = deployment.cli(_bin("prefect"), "deployment", "run", "retrain/tandem", "--param", f"run_id={run_id}", "--param", "steps=2",
@@ -185,15 +186,21 @@ def test_retrain_continues_the_run(deployment, finished):
 
     # The same retrain again (after a failure, say): it goes on with the successor as started,
     # whose model.path, the first attempt's temporary copy, is gone. Once more when the successor
-    # has its steps (the earlier one stopped before comparing it): it is only compared.
-    out = deployment.cli(_bin("prefect"), "deployment", "run", "retrain/tandem", "--param", f"run_id={run_id}", "--param", "steps=3",
-                         "--param", f"new_run_id={run_id}-next", "--param", f"storage_root=s3://{deployment.bucket}/runs")  # fmt: skip
-    run = deployment.wait_final(_flow_run_id(out))
+    # has its steps and was compared: refused (a nightly schedule with new_run_id would otherwise
+    # train nothing every night after the first, and show green). Once more after an attempt that
+    # stopped before its comparison: it is only compared.
+    def retrain_successor() -> object:
+        out = deployment.cli(_bin("prefect"), "deployment", "run", "retrain/tandem", "--param", f"run_id={run_id}", "--param", "steps=3",
+                             "--param", f"new_run_id={run_id}-next", "--param", f"storage_root=s3://{deployment.bucket}/runs")  # fmt: skip
+        return deployment.wait_final(_flow_run_id(out))
+
+    run = retrain_successor()
     assert run.state.is_completed(), run.state.message
     assert snapshot_versions(successor)[-1] == 3
-    out = deployment.cli(_bin("prefect"), "deployment", "run", "retrain/tandem", "--param", f"run_id={run_id}", "--param", "steps=3",
-                         "--param", f"new_run_id={run_id}-next", "--param", f"storage_root=s3://{deployment.bucket}/runs")  # fmt: skip
-    run = deployment.wait_final(_flow_run_id(out))
+    run = retrain_successor()
+    assert run.state.is_failed() and "compared with PROMOTED already" in run.state.message, run.state.message
+    successor.delete("metrics/retrain.jsonl")  # as if the last attempt had stopped before its comparison
+    run = retrain_successor()
     assert run.state.is_completed(), run.state.message
     assert snapshot_versions(successor)[-1] == 3, "a successor that trained its steps is compared, not trained again"
     assert read_promoted(store) == above_any

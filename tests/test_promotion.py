@@ -3,33 +3,43 @@ retention; recorded scores count only under the evaluation setup they were made 
 
 from __future__ import annotations
 
+import dataclasses
+import json
+
 from configs.schema import StorageConfig
-from tasks.promotion import promote_if_better, read_promoted
+from tasks.promotion import PROMOTED_KEY, promote_if_better, read_promoted
 from tasks.snapshots import pinned_versions
 
 
 def test_nothing_promoted_until_retraining_beats_where_it_started(file_store):
     assert read_promoted(file_store) is None
-    assert not promote_if_better(file_store, file_store, version=5, score=0.40, baseline=0.50)
+    assert not promote_if_better(file_store, file_store, version=5, score=0.40, bar=0.50, setup="s")
     assert read_promoted(file_store) is None
 
 
 def test_promoted_moves_only_to_a_higher_score(file_store):
-    assert promote_if_better(file_store, file_store, version=5, score=0.60, baseline=0.50)
-    assert (read_promoted(file_store).version, read_promoted(file_store).score) == (5, 0.60)
+    assert promote_if_better(file_store, file_store, version=5, score=0.60, bar=0.50, setup="s")
+    assert (read_promoted(file_store).version, read_promoted(file_store).score, read_promoted(file_store).setup) == (5, 0.60, "s")
     assert 5 in pinned_versions(file_store), "retention must keep the promoted snapshot"
-    assert not promote_if_better(file_store, file_store, version=9, score=0.60, baseline=0.0), "a tie does not move it"
-    assert not promote_if_better(file_store, file_store, version=9, score=0.55, baseline=0.0)
+    bar = read_promoted(file_store).score
+    assert not promote_if_better(file_store, file_store, version=9, score=0.60, bar=bar, setup="s"), "a tie does not move it"
+    assert not promote_if_better(file_store, file_store, version=9, score=0.55, bar=bar, setup="s")
+    assert not promote_if_better(file_store, file_store, version=9, score=float("nan"), bar=bar, setup="s")
     assert read_promoted(file_store).version == 5
-    assert promote_if_better(file_store, file_store, version=9, score=0.70, baseline=0.0)
+    assert promote_if_better(file_store, file_store, version=9, score=0.70, bar=bar, setup="s")
     assert read_promoted(file_store).version == 9 and pinned_versions(file_store) == {9}
+
+
+def test_a_promotion_recorded_before_setups_were_reads_as_of_no_setup(file_store):
+    file_store.write_atomic(PROMOTED_KEY, json.dumps({"run_url": file_store.url, "version": 3, "score": 0.5, "at": 1.0}).encode())
+    assert read_promoted(file_store).setup is None
 
 
 def test_a_new_run_can_be_promoted_in_the_source_run(file_store, tmp_path):
     from infra.storage import open_run_store
 
     successor = open_run_store(StorageConfig(root=f"file://{tmp_path}/runs"), "successor")
-    assert promote_if_better(file_store, successor, version=3, score=0.9, baseline=0.5)
+    assert promote_if_better(file_store, successor, version=3, score=0.9, bar=0.5, setup="s")
     promoted = read_promoted(file_store)
     assert promoted.run_url == successor.url and promoted.version == 3
     assert pinned_versions(successor) == {3}
@@ -56,7 +66,7 @@ def test_with_nothing_promoted_a_retrain_must_beat_the_best_score_the_run_record
     records.log("evaluation", version=240, score=0.75, setup=setup)
     summary = {"eval_before": 0.70, "eval_after": 0.75}
     assert _bar(config, file_store, file_store, 240, summary) == 0.80
-    assert not promote_if_better(file_store, file_store, 240, 0.75, _bar(config, file_store, file_store, 240, summary))
+    assert not promote_if_better(file_store, file_store, 240, 0.75, _bar(config, file_store, file_store, 240, summary), setup)
     assert _bar(config, file_store, file_store, 200, summary) == 0.75, "the candidate's own score is not its bar"
 
     successor = open_run_store(StorageConfig(root=f"file://{tmp_path}/runs"), "successor")
@@ -89,15 +99,84 @@ def test_a_recorded_score_is_reused_only_under_the_same_evaluation_setup(file_st
     assert recorded_score(overridden, file_store, 0)["score"] == 0.9
 
 
-def test_records_from_before_setups_were_recorded_count_by_their_prompt_count(file_store):
-    """A run evaluated before this digest existed: its scores still set the bar (a successor
-    finished then, compared now, was otherwise promoted whatever it scored)."""
+def test_records_from_before_setups_were_recorded_are_of_another_setup(file_store, tmp_path):
+    """They were scored on the held-out split that let operand-swapped twins of training problems
+    in (tasks/evaluation.py HELD_OUT_SPLIT): counted by their prompt count, a leaky 0.9 set a bar
+    that honest scores could not reach."""
     from configs.schema import RunConfig
+    from flows.pipeline import recorded_score
     from flows.retrain import _bar
     from tasks.metrics import MetricsLog
 
+    from tasks.snapshots import publish_snapshot_dir
+
+    (snapshot := tmp_path / "v0").mkdir()
+    (snapshot / "config.json").write_text("{}")
+    publish_snapshot_dir(file_store, snapshot, 0)
     config = RunConfig.model_validate({"env": {"eval_prompts": 8}})
-    records = MetricsLog(file_store, "evaluation", flush_seconds=0)
-    records.log("evaluation", version=0, score=0.6, prompts=8)
-    records.log("evaluation", version=1, score=0.9, prompts=4)
-    assert _bar(config, file_store, file_store, 5, {"eval_before": None}) == 0.6
+    MetricsLog(file_store, "evaluation", flush_seconds=0).log("evaluation", version=0, score=0.9, prompts=8)
+    assert _bar(config, file_store, file_store, 5, {"eval_before": 0.4}) == 0.4
+    assert recorded_score(config, file_store, 0) is None
+
+
+def test_a_promoted_score_of_another_setup_is_measured_again_under_this_one(file_store, tmp_path):
+    """PROMOTED kept the score of its own setup: a retrain evaluated on other prompts compared with
+    it, and lost to a leaky score for good (or beat one that was harder). Its snapshot is scored
+    under the retrain's setup (here a score already recorded for it) and PROMOTED records that."""
+    from configs.schema import RunConfig
+    from flows.retrain import _rescored
+    from tasks.evaluation import evaluation_setup
+    from tasks.metrics import MetricsLog
+    from tasks.promotion import Promotion
+    from tasks.rundir import write_run_config
+    from tasks.snapshots import publish_snapshot_dir
+
+    config = RunConfig.model_validate({"run_id": "run-test", "storage": {"root": file_store.url.rsplit("/", 1)[0]},
+                                       "env": {"eval_prompts": 8}})  # fmt: skip
+    write_run_config(file_store, config)
+    snapshot = tmp_path / "v5"
+    snapshot.mkdir()
+    (snapshot / "config.json").write_text("{}")
+    publish_snapshot_dir(file_store, snapshot, 5)
+    MetricsLog(file_store, "evaluation", flush_seconds=0).log("evaluation", version=5, score=0.42, setup=evaluation_setup(config))
+    leaky = Promotion(file_store.url, 5, 0.9, at=1.0, setup=None)
+    file_store.write_atomic(PROMOTED_KEY, json.dumps(dataclasses.asdict(leaky)).encode())
+    rescored = _rescored(leaky, config, file_store, [])
+    assert rescored == read_promoted(file_store) == Promotion(file_store.url, 5, 0.42, at=1.0, setup=evaluation_setup(config))
+    gone = Promotion(file_store.url, 7, 0.9, at=1.0)
+    assert _rescored(gone, config, file_store, []) is None, "a promoted snapshot that is gone: compared as with none"
+
+
+def test_a_run_retrained_past_the_groups_a_run_may_number_is_told_to_go_on_under_a_new_id(file_store):
+    """Each night adds its steps to the run's: past the six-digit shard keys' limit every retrain
+    failed with the config check's message, which says nothing of retraining."""
+    import pytest
+
+    from configs.schema import RunConfig
+    from flows.retrain import _continued
+
+    source = RunConfig.model_validate({"training": {"prompts_per_step": 1000, "steps": 900}})
+    assert _continued(source, file_store, 900).training.steps == 900
+    with pytest.raises(ValueError, match=r"1000 more would number more prompt groups than one run may \(999,999\)\. Retrain it with new_run_id"):
+        _continued(source, file_store, 1000)
+
+
+def test_a_successor_starts_from_the_sources_newest_snapshot_pinned_while_it_is_fetched(file_store, tmp_path, monkeypatch):
+    """The source may still be training: unpinned, its newest snapshot could be retired mid-fetch."""
+    import flows.retrain
+    from tasks.snapshots import publish_snapshot_dir
+
+    for version in (0, 1):
+        (snapshot := tmp_path / f"v{version}").mkdir()
+        (snapshot / "config.json").write_text(json.dumps({"version": version}))
+        publish_snapshot_dir(file_store, snapshot, version)
+    fetch, pinned_during_fetch = flows.retrain.load_snapshot, []
+
+    def watched(store, cache, version):
+        pinned_during_fetch.extend(pinned_versions(store))
+        return fetch(store, cache, version)
+
+    monkeypatch.setattr(flows.retrain, "load_snapshot", watched)
+    base, model_dir = flows.retrain._fetch_base(file_store, "next", tmp_path / "cache")
+    assert base == 1 and json.loads((model_dir / "config.json").read_text()) == {"version": 1}
+    assert pinned_during_fetch == [1] and pinned_versions(file_store) == set(), "pinned while fetched, then let go"
