@@ -1,12 +1,21 @@
 """Prefect flows (pipeline, generation, training, evaluation, retrain) and the `tandem` CLI.
 
-Importing the package turns Hugging Face's progress bars off before transformers is imported
-(a bar for every tiny save and load; tandem draws its own progress). It is the first tandem
-import of the CLI, of its engine processes and of `python -m flows.pipeline`; a process that
-imported transformers first (a worker loading a deployment's flow) has its bars turned off by
-infra/modelfactory.py, which every process that saves or loads a model imports.
+Importing the package sets defaults that must be in place before Prefect or transformers is
+imported; it is the first tandem import of the CLI, of its engine processes and of
+`python -m flows.pipeline`. A variable the user set wins.
+- Hugging Face's progress bars off (a bar for every tiny save and load; tandem draws its own
+  progress). A process that imported transformers first (a worker loading a deployment's flow)
+  has them turned off by infra/modelfactory.py, which every process that saves or loads a model
+  imports.
+- The temporary Prefect server of a local run: no analytics, and 120 s to start instead of
+  Prefect's 20, which a laptop busy with other work (a run already going) exceeded: `tandem run`
+  then failed with "Timed out while attempting to connect to ephemeral Prefect API server".
 """
 
 import os
 
+EPHEMERAL_SERVER_STARTUP_SECONDS = 120
+
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", str(EPHEMERAL_SERVER_STARTUP_SECONDS))

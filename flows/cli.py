@@ -171,7 +171,6 @@ def run(
 ) -> None:
     """Train end to end: warm-start, generation and training side by side, evaluation, summary."""
     resolved = resolve_config(config, overrides, run_id)
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     if resolved.prefect.mode == "deployed":
         require_child_deployments(resolved.prefect.deployment)
     from infra.storage import StorageRejected, StorageUnavailable, open_run_store
@@ -246,7 +245,6 @@ def evaluate_run(
         fail(str(err))
     except (StorageUnavailable, StorageRejected) as err:
         fail(f"{run}: {err}", code=1)
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     from flows.evaluation import evaluation
 
     result = evaluation(resolved, version)

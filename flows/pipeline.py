@@ -292,7 +292,6 @@ def main(argv: list[str] | None = None) -> None:
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     pipeline(config)
 
 

@@ -135,3 +135,25 @@ def test_of_two_engines_started_on_one_port_one_serves_and_the_other_fails(tmp_p
             if engine.poll() is None:
                 os.killpg(engine.pid, signal.SIGTERM)
                 engine.wait(timeout=30)
+
+
+PREFECT_SETTINGS_SEEN = """
+import flows
+from prefect.settings import get_current_settings
+settings = get_current_settings().server
+print(settings.ephemeral.startup_timeout_seconds, settings.analytics_enabled)
+"""
+
+
+def test_a_local_runs_temporary_prefect_server_may_take_two_minutes_to_start_unless_the_user_says_otherwise():
+    """Prefect gives its temporary server 20 s: on a 2-core machine busy with another run, `tandem
+    run` failed with "Timed out while attempting to connect to ephemeral Prefect API server"."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_SERVER_")}
+
+    def seen(**overrides: str) -> str:
+        done = subprocess.run([sys.executable, "-c", PREFECT_SETTINGS_SEEN], cwd=ROOT, env=env | overrides, capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        return done.stdout.strip()
+
+    assert seen() == "120 False"
+    assert seen(PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="33") == "33 False", "the user's own setting wins"
