@@ -8,9 +8,12 @@ it behind, a copy of the weights each (a real model's is gigabytes), and a long 
 restarts or an evaluation every few versions filled the disk with them.
 
 A process killed outright (SIGKILL, the OOM killer, a preempted machine) runs no cleanup, so each
-directory names its owner (`.owner`: pid and start time), and making a new one first empties the
-`tandem-*` directories whose owner is gone, keeping their logs as a failure does. On file:// their
-fetched weights are hard links to the store's files, which retention then could not free either.
+directory names its owner (`.owner`), and making a new one first empties the `tandem-*`
+directories whose owner is gone, keeping their logs as a failure does. On file:// their fetched
+weights are hard links to the store's files, which retention then could not free either. The
+owner is named as Linux's /proc knows it: boot, pid namespace, pid, and start in clock ticks since
+boot (not the wall clock: an NTP step or a resumed VM would make a live owner look gone). Where
+/proc cannot say (other systems), directories are removed on success and failure only.
 """
 
 from __future__ import annotations
@@ -24,7 +27,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import psutil
 
 log = logging.getLogger(__name__)
 OWNER_FILE = ".owner"
@@ -56,14 +58,17 @@ def _keep_only_logs(path: Path) -> None:
 
 def sweep_orphaned_scratch(parent: Path) -> list[Path]:
     """Empty, but for their logs, the `tandem-*` directories under `parent` whose owner process is
-    gone; returns them. Another user's, one another process sweeps at the same moment, and one
-    made in another pid namespace (a container sharing the directory), whose processes this one
-    cannot see, are skipped as they are."""
+    gone (or ran before the last boot); returns them. Another user's, one another process sweeps at
+    the same moment, and one made in another pid namespace (a container sharing the directory),
+    whose processes this one cannot see, are skipped as they are."""
+    here = _owner(os.getpid())
+    if here is None:
+        return []
     swept = []
     for path in parent.glob(f"{SWEPT_PREFIX}*"):
         try:
             owner = json.loads((path / OWNER_FILE).read_text())
-            if owner["namespace"] != _pid_namespace() or _owner(owner["pid"]) == owner:
+            if owner["namespace"] != here["namespace"] or (owner["boot"] == here["boot"] and _owner(owner["pid"]) == owner):
                 continue
             (path / OWNER_FILE).unlink()  # first: a second sweeper skips it
             _keep_only_logs(path)
@@ -75,17 +80,15 @@ def sweep_orphaned_scratch(parent: Path) -> list[Path]:
 
 
 def _owner(pid: int) -> dict | None:
-    """What names a process: its pid namespace, pid and start time (a pid alone is reused); None
-    if none runs."""
+    """Process `pid` as /proc names it: boot, pid namespace (this process's: where `pid` is
+    seen), pid and start in clock ticks after boot; None if it runs no more, or without /proc."""
     try:
-        return {"namespace": _pid_namespace(), "pid": pid, "started": psutil.Process(pid).create_time()}
-    except psutil.Error:
-        return None
-
-
-def _pid_namespace() -> str | None:
-    """This process's pid namespace on Linux ("pid:[4026531836]"); None elsewhere."""
-    try:
-        return os.readlink("/proc/self/ns/pid")
-    except OSError:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return {
+            "boot": Path("/proc/sys/kernel/random/boot_id").read_text().strip(),
+            "namespace": os.readlink("/proc/self/ns/pid"),
+            "pid": pid,
+            "started": int(stat.rsplit(")", 1)[1].split()[19]),  # field 22; the name before it may hold spaces
+        }
+    except (OSError, IndexError, ValueError):
         return None

@@ -67,3 +67,22 @@ def test_a_killed_processs_scratch_is_emptied_but_for_its_logs_when_the_next_one
     finally:
         alive.kill()
         alive.wait()
+
+
+def test_a_scratch_directory_from_before_the_last_boot_is_emptied_though_its_pid_runs_again(tmp_path):
+    """A pid is reused, across boots too: the owner's boot and start time tell them apart."""
+    import json
+    import os
+
+    from infra.scratch import _owner
+
+    old = tmp_path / "tandem-gen0-old"
+    old.mkdir()
+    (old / "model.safetensors").write_bytes(b"gigabytes")
+    (old / ".owner").write_text(json.dumps(_owner(os.getpid()) | {"boot": "an earlier boot"}))
+    mine = tmp_path / "tandem-gen0-mine"
+    mine.mkdir()
+    (mine / "model.safetensors").write_bytes(b"in use")
+    (mine / ".owner").write_text(json.dumps(_owner(os.getpid())))
+    assert sweep_orphaned_scratch(tmp_path) == [old]
+    assert not (old / "model.safetensors").exists() and (mine / "model.safetensors").exists()
