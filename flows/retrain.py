@@ -23,14 +23,14 @@ from prefect import flow, tags
 from prefect.runtime import flow_run
 from pydantic import Field, ValidationError
 
-from configs import DEPLOYED_CONFIG, load_config
+from configs import DEPLOYED_CONFIG, ConfigError, load_config
 from configs.fields import MAX_SLOTS, RunId
 from configs.schema import RunConfig, StorageConfig
 from flows.evaluation import evaluation
 from flows.pipeline import pipeline, recorded_score, score_newest_snapshot
-from infra.storage import open_run_store
+from infra.storage import StorageRejected, open_run_store
 from tasks.checkpoints import latest_checkpoint_step
-from tasks.evaluation import evaluation_setup, same_setup
+from tasks.evaluation import evaluation_setup, is_score, same_setup
 from tasks.metrics import MetricsLog, read_metrics
 from tasks.promotion import Promotion, promote_if_better, read_promoted, rescore_promoted
 from tasks.rundir import CONFIG_KEY, RunConflict, check_recorded_config, load_run_config
@@ -89,7 +89,7 @@ def retrain(
     store = open_run_store(config.storage, config.run_id)
     version, setup = summary["eval_versions"][1], evaluation_setup(config)  # the version scored, not LATEST read again
     current = read_promoted(source_store)
-    if current is not None and current.setup != setup:
+    if current is not None and (current.setup != setup or not is_score(current.score)):  # null: an earlier version's NaN
         current = _rescored(current, config, source_store, reach)
     bar = current.score if current is not None else _bar(config, store, source_store, version, summary)
     moved = promote_if_better(source_store, store, version, summary["eval_after"], bar, setup)
@@ -98,7 +98,7 @@ def retrain(
     MetricsLog(store, "retrain", flush_seconds=0).log("compared", version=version, score=summary["eval_after"], verdict=verdict,
                                                       bar=bar, source=source_store.url)  # fmt: skip
     print(f"v{version} of {config.run_id} scored {summary['eval_after']:.3f}: {verdict}; PROMOTED is "
-          + (f"v{promoted.version} of {promoted.run_url} ({promoted.score:.3f})" if promoted else "unset"))  # fmt: skip
+          + (f"v{promoted.version} of {promoted.run_url} ({promoted.score})" if promoted else "unset"))  # fmt: skip
     return {"run_id": config.run_id, "version": version, "score": summary["eval_after"], "promoted": moved}
 
 
@@ -108,15 +108,15 @@ def _rescored(promoted: Promotion, config: RunConfig, source_store, reach: list[
     setup (other held-out prompts, rules or lengths; before setups were recorded, the held-out
     split that let operand-swapped twins of training problems in) compares with nothing measured
     now: a fair candidate could lose to it for good, or an unfair one beat it."""
-    holder = load_run_config(promoted.run_url, reach)
-    scoring = config.model_copy(update={"run_id": holder.run_id, "storage": holder.storage})
-    holder_store = open_run_store(scoring.storage, scoring.run_id)
-    print(f"PROMOTED, v{promoted.version} of {promoted.run_url} ({promoted.score:.3f}), was scored under another "
+    print(f"PROMOTED, v{promoted.version} of {promoted.run_url} ({promoted.score}), was scored under another "
           "evaluation setup: scoring it under this one")  # fmt: skip
     try:
+        holder = load_run_config(promoted.run_url, reach)
+        scoring = config.model_copy(update={"run_id": holder.run_id, "storage": holder.storage})
+        holder_store = open_run_store(scoring.storage, scoring.run_id)
         committed_version(holder_store, promoted.version)
         record = recorded_score(scoring, holder_store, promoted.version) or evaluation(scoring, promoted.version)
-    except SnapshotMissing as err:
+    except (SnapshotMissing, ConfigError, FileNotFoundError, StorageRejected) as err:  # its run deleted, or out of reach
         print(f"PROMOTED's snapshot cannot be scored again ({err}): compared as if nothing were promoted")
         return None
     return rescore_promoted(source_store, promoted, record["score"], record["setup"])
@@ -133,7 +133,7 @@ def _bar(config: RunConfig, store, source_store, version: int, summary: dict) ->
         record["score"]
         for records_of in {store.url: store, source_store.url: source_store}.values()
         for record in read_metrics(records_of, "evaluation")
-        if record.get("event") == "evaluation" and same_setup(record, config) and record.get("score") is not None
+        if record.get("event") == "evaluation" and same_setup(record, config) and is_score(record.get("score"))
         and not (records_of.url == store.url and record.get("version") == version)
     ]  # fmt: skip
     return max(scores, default=summary["eval_before"] if summary["eval_before"] is not None else -float("inf"))

@@ -43,6 +43,12 @@ def evaluation_setup(config: RunConfig) -> str:
     return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+def is_score(value: object) -> bool:
+    """Whether a recorded score is a number to compare: an earlier version recorded a NaN score
+    as null, and promoted it."""
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
 def same_setup(record: dict, config: RunConfig) -> bool:
     """Whether an evaluation record was made under `config`'s setup. A record from before setups
     were recorded never is: the held-out prompts have changed since (HELD_OUT_SPLIT)."""

@@ -145,6 +145,27 @@ def test_a_promoted_score_of_another_setup_is_measured_again_under_this_one(file
     assert rescored == read_promoted(file_store) == Promotion(file_store.url, 5, 0.42, at=1.0, setup=evaluation_setup(config))
     gone = Promotion(file_store.url, 7, 0.9, at=1.0)
     assert _rescored(gone, config, file_store, []) is None, "a promoted snapshot that is gone: compared as with none"
+    deleted_run = Promotion(file_store.url.rsplit("/", 1)[0] + "/deleted", 3, 0.9, at=1.0)
+    assert _rescored(deleted_run, config, file_store, []) is None, "so is one whose run directory is gone"
+
+
+def test_a_score_recorded_as_null_is_never_reused_nor_a_bar(file_store, tmp_path):
+    """An earlier version recorded a NaN score as null: reused, it was printed with :.3f and
+    compared with <=, and both raised TypeError on every later retrain."""
+    from configs.schema import RunConfig
+    from flows.pipeline import recorded_score
+    from flows.retrain import _bar
+    from tasks.evaluation import evaluation_setup
+    from tasks.metrics import MetricsLog
+    from tasks.snapshots import publish_snapshot_dir
+
+    (snapshot := tmp_path / "v0").mkdir()
+    (snapshot / "config.json").write_text("{}")
+    publish_snapshot_dir(file_store, snapshot, 0)
+    config = RunConfig.model_validate({"env": {"eval_prompts": 8}})
+    MetricsLog(file_store, "evaluation", flush_seconds=0).log("evaluation", version=0, score=None, setup=evaluation_setup(config))
+    assert recorded_score(config, file_store, 0) is None
+    assert _bar(config, file_store, file_store, 5, {"eval_before": 0.4}) == 0.4
 
 
 def test_a_run_retrained_past_the_groups_a_run_may_number_is_told_to_go_on_under_a_new_id(file_store):
