@@ -280,8 +280,9 @@ class RunStore:
         `staging_dir`; on S3 the run's multipart uploads that never completed, whose parts no
         listing shows and the bucket keeps, and bills, until they are aborted (a trainer killed
         mid-publish left a snapshot's worth each time). Returns the keys of the uploads aborted.
-        Credentials without the right to list or abort uploads (s3:ListBucketMultipartUploads,
-        s3:AbortMultipartUpload) get a warning, not a trainer that cannot start."""
+        A store that refuses (credentials without s3:ListBucketMultipartUploads or
+        s3:AbortMultipartUpload, a store without the calls) gets a warning, not a trainer that
+        cannot start; an upload that completes or goes between the listing and its abort is left."""
         if self.protocol == "file":
             shutil.rmtree(self.path(STAGING), ignore_errors=True)
         if self.protocol != "s3":
@@ -292,12 +293,15 @@ class RunStore:
             while True:
                 answer = self._retry(self.fs.call_s3, "list_multipart_uploads", Bucket=bucket, Prefix=f"{base}/", **markers)
                 for upload in answer.get("Uploads", []):
-                    self._retry(self.fs.call_s3, "abort_multipart_upload", Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])
+                    try:
+                        self._retry(self.fs.call_s3, "abort_multipart_upload", Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])
+                    except FileNotFoundError:  # NoSuchUpload: completed or aborted meanwhile
+                        continue
                     aborted.append(self._key_of(f"{bucket}/{upload['Key']}"))
                 if not answer.get("IsTruncated"):
                     return aborted
-                markers = {"KeyMarker": answer["NextKeyMarker"], "UploadIdMarker": answer["NextUploadIdMarker"]}
-        except PermissionError as err:
+                markers = {"KeyMarker": answer.get("NextKeyMarker", ""), "UploadIdMarker": answer.get("NextUploadIdMarker", "")}
+        except (OSError, StorageRejected, StorageUnavailable) as err:
             log.warning("could not abort the incomplete uploads under %s (their parts stay billed: a lifecycle rule "
                         "AbortIncompleteMultipartUpload removes them): %s", self.url, err)  # fmt: skip
             return aborted
