@@ -2,7 +2,9 @@
 
 Importing the package sets defaults that must be in place before Prefect or transformers is
 imported; it is the first tandem import of the CLI, of its engine processes and of
-`python -m flows.pipeline`. A variable the user set wins.
+`python -m flows.pipeline`. An environment variable the user set wins; a Prefect profile's
+setting (`prefect config set`) does not, since Prefect ranks the environment above profiles: set
+those in the environment.
 - Hugging Face's progress bars off (a bar for every tiny save and load; tandem draws its own
   progress). A process that imported transformers first (a worker loading a deployment's flow)
   has them turned off by infra/modelfactory.py, which every process that saves or loads a model

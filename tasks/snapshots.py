@@ -94,7 +94,8 @@ def publish_snapshot(
     `dtype`: the dtype to store the weights in (the model's own if None). The trainer's weights
     are float32 masters of a checkpoint that may be stored in bfloat16
     (`infra.modelfactory.load_trainable_model`); the engines get that checkpoint's dtype back.
-    Idempotent: publishing a version that is already committed only (re)moves LATEST forward.
+    Idempotent: publishing a version already committed with the same weights only (re)moves
+    LATEST forward; with other weights it is a SnapshotConflict.
     On file:// it stages in the run's own `.staging/`, so that the files are linked into the
     snapshot rather than written a second time (`RunStore.upload`)."""
     with tempfile.TemporaryDirectory(prefix="snapshot-", dir=staging_dir or store.staging_dir()) as temp:
@@ -141,6 +142,10 @@ def publish_snapshot_dir(store: RunStore, local_dir: Path, version: int, take_fi
     return version
 
 
+def _weight_files(manifest: dict) -> dict:
+    return {name: entry for name, entry in manifest["files"].items() if name.endswith((".safetensors", ".bin"))}
+
+
 class SnapshotConflict(RuntimeError):
     """A version already committed with other files than the publisher's: another trainer's."""
 
@@ -149,8 +154,10 @@ def _check_same_snapshot(store: RunStore, local_dir: Path, version: int) -> None
     """A version found committed is a retried publish of the same weights, or another trainer's
     (a trainer whose pipeline lost the run to a restart, still publishing; a training run started
     without its pipeline, which withdraws what follows the checkpoint). Taking the second for the
-    first would let generators serve other weights under this trainer's version, as on-policy."""
-    if read_manifest(store, snapshot_prefix(version))["files"] != build_manifest(local_dir)["files"]:
+    first would let generators serve other weights under this trainer's version, as on-policy.
+    Only the weight files are compared: config.json records the transformers version, which a
+    trainer restarted on an upgraded image would change without changing a weight."""
+    if _weight_files(read_manifest(store, snapshot_prefix(version))) != _weight_files(build_manifest(local_dir)):
         raise SnapshotConflict(
             f"snapshot v{version} is committed already with other weights ({store.url_of(snapshot_prefix(version))}): "
             "another trainer of this run published it. Start the run again (tandem run): it withdraws the snapshots "

@@ -349,7 +349,9 @@ def test_a_version_committed_with_other_weights_is_a_conflict_not_a_retried_publ
     first = fake_snapshot(tmp_path, 1)
     publish_snapshot_dir(store, first, 1)
     (retry := tmp_path / "retry").mkdir()
-    publish_snapshot_dir(store, fake_snapshot(retry, 1), 1)  # the same files: a retried publish
+    retried = fake_snapshot(retry, 1)
+    (retried / "config.json").write_text(json.dumps({"version": 1, "transformers_version": "a later one"}))
+    publish_snapshot_dir(store, retried, 1)  # the same weights: a retried publish, on an upgraded image maybe
     (other := tmp_path / "other").mkdir()
     with pytest.raises(SnapshotConflict, match="v1 is committed already with other weights"):
         publish_snapshot_dir(store, fake_snapshot(other, 2), 1)
