@@ -145,7 +145,7 @@ class PipelineRun:
             f"run_id={self.run_id}", f"storage.root=file://{root}", "engine.backend=sim", f"engine.sim={latency.model_dump_json()}",
             f"engine.max_batch_size={RUNNING_CAP}", f"generation.engines={engines}", f"generation.samples_per_prompt={SAMPLES}",
             f"generation.max_new_tokens={MAX_NEW_TOKENS}", f"generation.prompts_per_chunk={PROMPTS_PER_STEP}",
-            f"training.prompts_per_step={PROMPTS_PER_STEP}", f"training.steps={warmup + steps}", "training.warmup_steps=0",
+            "generation.temperature=1.0", f"training.prompts_per_step={PROMPTS_PER_STEP}", f"training.steps={warmup + steps}", "training.warmup_steps=0",
             f"training.simulate_step_seconds={profile.t}", "training.checkpoint_every=1000", "training.publish_every=1",
             f"lag.max_lag={max_lag}", "env.entrypoint=tasks.envs.arithmetic:AdditionEnv", "env.kwargs={}", "env.max_turns=1",
             "env.eval_prompts=0", "dask.n_workers=2", "dask.threads_per_worker=16", *extra,
