@@ -159,7 +159,7 @@ def _train_and_report(config: RunConfig, store: RunStore, url: str, claim: str, 
         MetricsLog(store, "pipeline", flush_seconds=0).log("claims_adopted", slots=adopted)
         print(f"{sum(map(len, adopted.values()))} groups claimed by generators this run does not start again go to "
               f"{', '.join(p for p, slots in adopted.items() if slots)}, which generate them first")  # fmt: skip
-    before = score_newest_snapshot(config, store)
+    before = score_snapshot(config, store)
     if config.prefect.mode == "deployed":
         Supervisor(config, claim).run()
     else:
@@ -184,15 +184,16 @@ def _train_and_report(config: RunConfig, store: RunStore, url: str, claim: str, 
         trainer.result()
         for generator in generators:
             generator.result()
-    after = score_newest_snapshot(config, store)
+    after = score_snapshot(config, store)
     summary = write_summary(store, before, after)
     publish_summary(summary, url, config.run_id)
     print_summary(summary, url)
     return summary
 
 
-def score_newest_snapshot(config: RunConfig, store: RunStore) -> dict | None:
-    """The held-out score of the newest snapshot; None for a run without held-out prompts.
+def score_snapshot(config: RunConfig, store: RunStore, version: int | None = None) -> dict | None:
+    """The held-out score of snapshot `version` (default: the newest); None for a run without
+    held-out prompts; SnapshotMissing if that snapshot is not kept.
 
     A version scored already on the same prompts keeps its recorded score: a continued or resumed
     run starts from the snapshot the last pipeline's closing evaluation (or a triggered one)
@@ -201,7 +202,7 @@ def score_newest_snapshot(config: RunConfig, store: RunStore) -> dict | None:
     (tasks/lag.py `reopen_run`) names other weights once the resumed trainer publishes it again."""
     if not config.env.eval_prompts:
         return None
-    version = committed_version(store, None)
+    version = committed_version(store, version)
     if (record := recorded_score(config, store, version)) is not None:
         print(f"v{version}: scored {record['score']:.3f} already, not evaluated again")
         return record

@@ -26,8 +26,7 @@ from pydantic import Field, ValidationError
 from configs import DEPLOYED_CONFIG, ConfigError, load_config
 from configs.fields import MAX_SLOTS, RunId
 from configs.schema import RunConfig, StorageConfig
-from flows.evaluation import evaluation
-from flows.pipeline import pipeline, recorded_score, score_newest_snapshot
+from flows.pipeline import pipeline, score_snapshot
 from infra.storage import StorageRejected, open_run_store
 from tasks.checkpoints import latest_checkpoint_step
 from tasks.evaluation import evaluation_setup, is_score, same_setup
@@ -75,7 +74,7 @@ def retrain(
                     )  # fmt: skip
                 print(f"run {new_run_id}, which an earlier retrain started from a snapshot of {run_id}, has trained its "
                       f"{steps} steps already; that retrain stopped before comparing it, which this one does now")  # fmt: skip
-                record = score_newest_snapshot(config, successor)
+                record = score_snapshot(config, successor)
                 summary = {"eval_before": None, "eval_after": record["score"], "eval_versions": [None, record["version"]]}
             else:
                 print(f"continuing run {new_run_id}, which an earlier retrain started from a snapshot of {run_id}, to step {steps}")
@@ -113,9 +112,7 @@ def _rescored(promoted: Promotion, config: RunConfig, source_store, reach: list[
     try:
         holder = load_run_config(promoted.run_url, reach)
         scoring = config.model_copy(update={"run_id": holder.run_id, "storage": holder.storage})
-        holder_store = open_run_store(scoring.storage, scoring.run_id)
-        committed_version(holder_store, promoted.version)
-        record = recorded_score(scoring, holder_store, promoted.version) or evaluation(scoring, promoted.version)
+        record = score_snapshot(scoring, open_run_store(scoring.storage, scoring.run_id), promoted.version)
     except (SnapshotMissing, ConfigError, FileNotFoundError, StorageRejected) as err:  # its run deleted, or out of reach
         print(f"PROMOTED's snapshot cannot be scored again ({err}): compared as if nothing were promoted")
         return None

@@ -113,8 +113,7 @@ def _train(config: RunConfig, store: RunStore, cache: Path, pipeline: PipelineWa
             _announce(config, store, learner.version)
     if (why := pipeline.gone(now=True)) is not None:  # its final checkpoint and done mark are another pipeline's to write now
         raise GenerationStopped(f"training stopped at v{learner.version} before its final checkpoint: {why}")
-    learner.finish()
-    if learner.version % config.training.publish_every:  # the last version, which finish() published
+    if learner.finish():  # it published the last version, which publish_every skipped
         _announce(config, store, learner.version)
     return {
         "version": learner.version, "busy_seconds": learner.busy_seconds,

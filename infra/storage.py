@@ -301,7 +301,7 @@ class RunStore:
                 if not answer.get("IsTruncated"):
                     return aborted
                 markers = {"KeyMarker": answer.get("NextKeyMarker", ""), "UploadIdMarker": answer.get("NextUploadIdMarker", "")}
-        except (OSError, StorageRejected, StorageUnavailable) as err:
+        except (OSError, StorageUnavailable) as err:  # StorageRejected is an OSError
             log.warning("could not abort the incomplete uploads under %s (their parts stay billed: a lifecycle rule "
                         "AbortIncompleteMultipartUpload removes them): %s", self.url, err)  # fmt: skip
             return aborted

@@ -271,18 +271,21 @@ class Learner:
         }  # fmt: skip
         return {"metrics": metrics, "compute_seconds": compute_seconds, "started": started}
 
-    def finish(self) -> None:
+    def finish(self) -> bool:
         """The final weights' snapshot, the final checkpoint, the ledger for the run's accounting,
-        and the trainer state marked done (generators stop on it). The snapshot is published here
-        when publish_every skipped the last version: otherwise LATEST, the closing evaluation, the
-        summary and a promotion would all name an older version than the one trained."""
-        if self.version % self.config.training.publish_every:
+        and the trainer state marked done (generators stop on it); returns whether it published
+        the snapshot. It does when publish_every skipped the last version: otherwise LATEST, the
+        closing evaluation, the summary and a promotion would all name an older version than the
+        one trained."""
+        published = self.version % self.config.training.publish_every != 0
+        if published:
             publish_snapshot(self.store, self.trainer.model, self.tokenizer, self.version, dtype=self.publish_dtype)
             apply_retention(self.store, self.config.storage.keep_last_snapshots, self.config.storage.keep_every_snapshot)
         self._checkpoint()
         self.store.write_atomic(LEDGER_KEY, json.dumps(self.ledger.to_json()).encode())
         publish_trainer_state(self.store, TrainerState(self.version, self.ledger.lost_groups, done=True))
         self.metrics.flush()
+        return published
 
     # -- internals ---------------------------------------------------------------------------
 

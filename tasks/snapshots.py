@@ -147,7 +147,7 @@ def _weight_files(manifest: dict) -> dict:
 
 
 class SnapshotConflict(RuntimeError):
-    """A version already committed with other files than the publisher's: another trainer's."""
+    """A version already committed with other weights than the publisher's: another trainer's."""
 
 
 def _check_same_snapshot(store: RunStore, local_dir: Path, version: int) -> None:

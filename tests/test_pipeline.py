@@ -17,7 +17,7 @@ import pytest
 from configs import TINY_CONFIG
 from flows.cli import run_command
 from configs.schema import StorageConfig
-from flows.pipeline import INTERRUPT_GRACE_SECONDS, score_newest_snapshot
+from flows.pipeline import INTERRUPT_GRACE_SECONDS, score_snapshot
 from infra.prefect_server import descendants
 from infra.storage import open_run_store
 from tasks.lease import check_run_free
@@ -120,9 +120,9 @@ def test_a_continued_run_keeps_the_score_its_start_version_has(finished_run: Pat
     recorded = (finished_run / "metrics" / "evaluation.jsonl").read_bytes()
     config = load_run_config(f"file://{finished_run}")
     store = open_run_store(config.storage, config.run_id)
-    assert score_newest_snapshot(config, store) == records(finished_run, "evaluation")[-1]
+    assert score_snapshot(config, store) == records(finished_run, "evaluation")[-1]
     assert (finished_run / "metrics" / "evaluation.jsonl").read_bytes() == recorded, "not scored again"
-    assert score_newest_snapshot(config.model_copy(update={"env": config.env.model_copy(update={"eval_prompts": 0})}), store) is None
+    assert score_snapshot(config.model_copy(update={"env": config.env.model_copy(update={"eval_prompts": 0})}), store) is None
 
 
 def test_a_score_of_a_withdrawn_snapshot_is_not_taken_for_the_one_published_again(finished_run: Path, tmp_path: Path, monkeypatch):
@@ -134,12 +134,12 @@ def test_a_score_of_a_withdrawn_snapshot_is_not_taken_for_the_one_published_agai
     shutil.copytree(finished_run, copy)
     config = load_run_config(f"file://{copy}")
     store = open_run_store(config.storage, config.run_id)
-    assert score_newest_snapshot(config, store)["version"] == 3, "scored by the closing evaluation"
+    assert score_snapshot(config, store)["version"] == 3, "scored by the closing evaluation"
     assert withdraw_after(store, 2) == [3]
     time.sleep(1.1)  # the manifest's time is in whole seconds
     publish_snapshot_dir(store, copy / "weights" / "v00000002", 3)  # other weights under the number
     monkeypatch.setattr(flows.pipeline, "evaluation", lambda config, version: {"event": "evaluation", "version": version, "new": True})
-    assert score_newest_snapshot(config, store) == {"event": "evaluation", "version": 3, "new": True}
+    assert score_snapshot(config, store) == {"event": "evaluation", "version": 3, "new": True}
 
 
 def test_a_finished_run_started_again_says_it_has_nothing_to_train(finished_run: Path):
