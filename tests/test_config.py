@@ -26,6 +26,15 @@ def test_every_shipped_yaml_validates(path: Path):
     assert isinstance(config, RunConfig)
 
 
+def test_deployed_yaml_is_tiny_yaml_deployed():
+    """configs/deployed.yaml says it is the tiny run, deployed: it once sampled at the temperature
+    that made weak tiny runs collapse, after tiny.yaml had moved off it."""
+    tiny, deployed = (load_config(CONFIG_DIR / name).model_dump() for name in ("tiny.yaml", "deployed.yaml"))
+    deployment = {"run_id", "storage", "dask", "prefect"}  # where it runs, not what it trains
+    differ = sorted(key for key in tiny if key not in deployment and tiny[key] != deployed[key])
+    assert differ == [], {key: (tiny[key], deployed[key]) for key in differ}
+
+
 def test_overrides_are_parsed_as_yaml_scalars():
     config = load_config(
         CONFIG_DIR / "tiny.yaml",
