@@ -184,20 +184,30 @@ def check_run_writable(store: RunStore) -> None:
 
 
 def check_run_inputs(config: RunConfig, store: RunStore) -> None:
-    """ConfigError naming the field unless env.entrypoint loads, the environment accepts env.kwargs,
-    model.path (if set) is an HF model directory, and in local mode the GPU training.device names
-    (if one) is here: what only importing and building can tell.
+    """ConfigError naming the field unless the run directory outlives this process, env.entrypoint
+    loads, the environment accepts env.kwargs and has env.train_prompts and env.eval_prompts
+    distinct problems, model.path (if set) is an HF model directory, and in local mode the GPU
+    training.device names (if one) is here: what only importing and building can tell.
 
     model.path is read once, to make v0, so it is checked only while the run has no v0: a run
     that `retrain --param new_run_id=...` started from a directory since removed continues."""
+    if config.storage.root.startswith("memory://"):
+        raise ConfigError(f"storage.root {config.storage.root}: memory:// lives in one process (tests use it), and a run's "
+                          "processes would each see their own, gone when they exit; use file:// or s3://")  # fmt: skip
     try:
         env_cls = load_environment(config.env.entrypoint)
     except EnvironmentLoadError as err:
         raise ConfigError(f"env.entrypoint: {err}") from None
     try:
-        env_cls(max_turns=config.env.max_turns, **config.env.kwargs)
+        env = env_cls(max_turns=config.env.max_turns, **config.env.kwargs)
     except Exception as err:  # whatever the user's class raises on these kwargs, a retry reads the same
         raise ConfigError(f"env.kwargs: {config.env.entrypoint} refuses them: {type(err).__name__}: {err}") from None
+    for split, count in (("train", config.env.train_prompts), ("eval", config.env.eval_prompts)):
+        try:  # the warm-start and the evaluation ask for them later, after the run directory is written
+            env.prompts(split, count, config.seed)
+        except Exception as err:
+            raise ConfigError(f"env.{split}_prompts: {config.env.entrypoint} (env.kwargs {config.env.kwargs}) cannot give "
+                              f"{count} {split} prompts: {type(err).__name__}: {err}") from None  # fmt: skip
     if config.model.path is not None and not _has_initial_snapshot(store):
         try:
             given_model_dir(config.model.path)

@@ -310,6 +310,9 @@ def test_storage_root_loses_trailing_slashes_but_not_its_scheme(root: str, recor
     ("env.entrypoint=nope.mod:Cls", "env.entrypoint: environment entrypoint 'nope.mod:Cls': cannot import"),
     ("env.kwargs={digts: 3}", "env.kwargs: tasks.envs.calculator:CalculatorEnv refuses them"),
     ("model.path=/nonexistent", "model.path '/nonexistent' is not an HF model directory"),
+    ("env.kwargs={digits: 1}", "env.train_prompts: tasks.envs.calculator:CalculatorEnv (env.kwargs {'digits': 1}) cannot give 2000 train prompts"),
+    ("storage.root=memory://runs", "storage.root memory://runs: memory:// lives in one process"),
+    ("env.eval_prompts=100000", "env.eval_prompts: tasks.envs.calculator:CalculatorEnv (env.kwargs {'partial_credit': True}) cannot give 100000 eval"),
 ])  # fmt: skip
 def test_initialize_run_refuses_what_does_not_load_before_writing_anything(tmp_path: Path, override: str, expected: str):
     from flows.pipeline import _worth_retrying
