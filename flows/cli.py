@@ -262,15 +262,37 @@ def deploy(
     spec_path = project / "prefect.yaml"
     if not spec_path.is_file():
         fail(f"{spec_path}: no prefect.yaml here; run from tandem's project directory or pass --project-dir")
+    spec = load_deployment_spec(spec_path)
     api_url = prefect_server_url()
     from infra.deployments import apply_deployments
 
     with prefect_server_reached(api_url):
         try:
-            names = apply_deployments(project, yaml.safe_load(spec_path.read_text()))
+            names = apply_deployments(project, spec)
         except RuntimeError as err:  # the `prefect deploy` that it runs failed
             fail(str(err), code=1)
     console.print(f"deployed to {api_url}: " + ", ".join(names))
+
+
+def load_deployment_spec(path: Path) -> dict:
+    """prefect.yaml, or exit 2 naming what is wrong with it: README has people edit it (the
+    nightly schedule's run id), and a slip there was a traceback from the YAML parser or the
+    pool set-up."""
+    try:
+        spec = yaml.safe_load(path.read_text())
+    except (yaml.YAMLError, UnicodeDecodeError) as err:
+        fail(f"{path}: not valid YAML: {err}")
+    if not isinstance(spec, dict):
+        fail(f"{path}: must be a mapping with a `deployments` list, not {'nothing' if spec is None else f'a YAML {type(spec).__name__}'}")
+    deployments = spec.get("deployments", [])
+    if not isinstance(deployments, list):
+        fail(f"{path}: `deployments` must be a list of mappings, each with a `name`")
+    for i, deployment in enumerate(deployments):
+        if not (isinstance(deployment, dict) and isinstance(deployment.get("name"), str)):
+            fail(f"{path}: deployments[{i}] must be a mapping with a `name`")
+        if not isinstance(deployment.get("work_pool", {}), dict):
+            fail(f"{path}: deployments[{i}] ({deployment['name']}): `work_pool` must be a mapping with a `name`")
+    return spec
 
 
 @app.command("scale")
