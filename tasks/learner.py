@@ -178,7 +178,7 @@ class Learner:
             if should_stop():
                 return None
             if time.monotonic() - late_checked >= LATE_CHECK_SECONDS:
-                self._drop_late()
+                self._drop_late(seen_groups)
                 self._repair_rejected_snapshots(waited=time.monotonic() - started)
                 late_checked = time.monotonic()
             if self.ledger.lost_groups != shared_losses:
@@ -187,8 +187,10 @@ class Learner:
                 shared_losses = self.ledger.lost_groups
                 publish_trainer_state(self.store, TrainerState(self.version, shared_losses))
             batch, stale = select_batch(self._candidates(exclude=chosen), self.version, max_lag, groups - len(chosen))
-            self._drop_stale([c.key for c in stale])
-            seen_groups.update(self.ledger.dropped_groups)
+            self._drop_stale([c.key for c in stale], seen_groups)
+            # Only now: had the drop failed (storage down), the retried admission must list the
+            # directory leaving the window again, or its stale groups were never counted lost.
+            self.window_floor = max(self.window_floor, self.version - max_lag)
             if batch and waits_for_last_chance(batch, self.version, max_lag, lambda: groups_in_flight(self.store)):
                 batch = []
             if not batch:
@@ -290,23 +292,23 @@ class Learner:
     # -- internals ---------------------------------------------------------------------------
 
     def _candidates(self, exclude: dict[str, pa.Table]) -> list[Candidate]:
-        """Committed, undisposed shards from the oldest version directory still worth a look on:
-        with those of versions ahead of the trainer's, which only a withdrawn snapshot generated."""
+        """Committed, undisposed shards from the oldest version directory still worth a look on
+        (`window_floor`, raised once this look's stale shards are disposed of): with those of
+        versions ahead of the trainer's, which only a withdrawn snapshot generated."""
         keys = list_shards(self.store, min_version=self.window_floor)
-        self.window_floor = max(self.window_floor, self.version - self.config.lag.max_lag)
         return [
             Candidate(key, parse_shard_key(key).version)
             for key in keys
             if key not in self.ledger.disposed and key not in exclude
         ]
 
-    def _drop_late(self) -> None:
+    def _drop_late(self, accounted: set[str]) -> None:
         """Drop the groups that generators reported as committed past the lag bound, which the
         window's listings may have missed (tasks/lag.py "Late groups"), unless already disposed."""
         max_lag = self.config.lag.max_lag
         late = [key for key in late_shard_keys(self.store)
                 if key not in self.ledger.disposed and lag_of(self.version, parse_shard_key(key).version) > max_lag]  # fmt: skip
-        self._drop_stale(late)
+        self._drop_stale(late, accounted)
 
     def _repair_rejected_snapshots(self, waited: float) -> None:
         """Answer the generators' reports of a snapshot damaged after its commit
@@ -363,14 +365,15 @@ class Learner:
               f"published v{self.version} {'again' if self.version == rejected else 'in its place'}")  # fmt: skip
         self.metrics.log("snapshot_republished", rejected=rejected, version=self.version, reason=str(report.get("reason"))[:500])
 
-    def _drop_stale(self, keys: list[str]) -> None:
-        """Dispose of shards past the lag bound: as stale, or as a duplicate if their group was
-        trained or dropped from another copy (no replacement is owed for that one, or one is
-        already)."""
+    def _drop_stale(self, keys: list[str], accounted: set[str]) -> None:
+        """Dispose of shards past the lag bound: as stale, or as a duplicate if their group is in
+        `accounted` (the admission's groups: trained, dropped, or chosen for the batch being
+        filled) from another copy, for which no replacement is owed, or one is already: counted lost,
+        a stale copy of a group chosen already owed a replacement for a group that is trained.
+        Adds the groups it drops to `accounted`."""
         valid = read_valid_shards(self.store, keys, current_version=self.version)
         for key in valid.quarantined:
             self._dispose(key, "quarantined", samples=1)
-        accounted = set(self.ledger.trained_groups) | set(self.ledger.dropped_groups)
         for key, table in valid.tables.items():
             group = table["group_id"][0].as_py()
             if group in accounted:

@@ -445,3 +445,61 @@ def test_a_group_dropped_stale_is_lost_once_and_a_later_copy_of_it_is_a_duplicat
     assert fresh not in batch and learner.ledger.disposed[fresh] == "duplicate"
     assert sorted(learner.ledger.disposed[k] for k in stale) == ["duplicate", "stale"]
     assert learner.ledger.lost_groups == 1 and learner.ledger.dropped_groups == ["s00000005"]
+
+
+def test_an_admission_retried_after_storage_failed_mid_drop_still_gives_the_leaving_directory_its_last_look(tmp_path: Path, monkeypatch):
+    """The training flow retries a failed admit_batch on the same learner. The first try listed
+    rollouts/v00000000 for the last time and failed reading its stale group: had the window moved
+    on at the listing, no later look would count that group lost, and its slot was held for good."""
+    import tasks.learner as learner_module
+    from infra.storage import StorageUnavailable
+
+    learner = make_learner(tmp_path)  # two groups a step, max_lag 1
+    for first_slot in (0, 2):
+        write_fresh(learner, first_slot)
+        learner.train_step(learner.admit_batch(poll_seconds=0.01))
+    straggler = write_group(learner, "s00000009", seq=9, version=0)
+    write_fresh(learner, 4)
+    read, failures = learner_module.read_valid_shards, []
+
+    def fails_once_on_the_straggler(store, keys, *args, **kwargs):
+        if straggler in keys and not failures:
+            failures.append(straggler)
+            raise StorageUnavailable("storage went away while the stale group was read")
+        return read(store, keys, *args, **kwargs)
+
+    monkeypatch.setattr(learner_module, "read_valid_shards", fails_once_on_the_straggler)
+    with pytest.raises(StorageUnavailable):
+        learner.admit_batch(poll_seconds=0.01)
+    learner.admit_batch(poll_seconds=0.01)
+    assert failures == [straggler]
+    assert learner.ledger.disposed.get(straggler) == "stale" and learner.ledger.lost_groups == 1
+
+
+def test_a_stale_copy_of_a_group_already_chosen_for_the_batch_is_a_duplicate_not_a_loss(tmp_path: Path, monkeypatch):
+    """A group's other copy (an adopted claim's first owner committing after all) reported late
+    while the batch holding its fresh copy is still filling: counted lost, it owed generators a
+    replacement for a group that was trained, one surplus group every step from then on."""
+    import tasks.learner as learner_module
+
+    monkeypatch.setattr(learner_module, "LATE_CHECK_SECONDS", 0.0)
+    learner = make_learner(tmp_path)  # two groups a step, max_lag 1
+    for first_slot in (0, 2):
+        write_fresh(learner, first_slot)
+        learner.train_step(learner.admit_batch(poll_seconds=0.01))
+    write_group(learner, "s00000009", seq=10, version=2)
+    assert learner.store.put_if_absent(shard_key(2, "gen0", 11), b"not parquet")  # quarantined: the batch stays one short
+    looks = []
+
+    def copy_arrives_while_the_batch_fills() -> bool:
+        looks.append(len(looks))
+        if len(looks) == 2:  # the fresh copy is chosen
+            report_late(learner.store, [write_group(learner, "s00000009", seq=12, version=0)], learner.version, max_lag=1)
+        if len(looks) == 3:
+            write_group(learner, "s00000020", seq=13, version=2)
+        return False
+
+    batch = learner.admit_batch(copy_arrives_while_the_batch_fills, poll_seconds=0.01)
+    assert {table["group_id"][0].as_py() for table in batch.values()} == {"s00000009", "s00000020"}
+    assert learner.ledger.disposed[shard_key(0, "gen0", 12)] == "duplicate"
+    assert learner.ledger.dropped_groups == [] and learner.ledger.lost_groups == 1, "the quarantined shard's group only"
