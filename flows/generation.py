@@ -175,8 +175,8 @@ def _generate(config: RunConfig, producer: str, cache: Path, pipeline: PipelineW
             state = read_trainer_state(store)
             report_late(store, unchecked, state.version, config.lag.max_lag)
             unchecked.clear()
-            if state.done or pipeline.gone() or (retiring.due() and not generator.orphans):
-                break
+            if state.done or pipeline.gone() or (retiring.due() and not generator.orphans and not in_flight):
+                break  # retiring: once every chunk is in, so that a group aborted in one is made again first
             if fleet.restart_dead():
                 totals["engine_restarts"] = fleet.restarts
                 metrics.log("engines_restarted", version=fleet.version, engines=fleet.describe(), restarts=fleet.restarts)

@@ -148,3 +148,57 @@ def test_admission_is_tried_again_after_a_storage_outage_and_not_after_a_stop():
         with pytest.raises(GenerationStopped):
             admission(stopped)
         assert stopped.calls == 1, "a stop is not retried"
+
+
+def test_a_retiring_generator_makes_again_a_group_aborted_in_a_chunk_still_in_flight(tmp_path: Path):
+    """Asked to retire (a scale-down), a generator claims nothing more and finishes its chunks in
+    flight. A group aborted in one of them (an operator's abort, an engine's) is made again before
+    it leaves: it left at once, and the slot it had claimed held admission capacity for good (at
+    max_lag 0, a batch one group short). Sim engines with slow decode steps keep the chunks in
+    flight for seconds, long after the generator has seen the retire."""
+    import httpx
+    from prefect.testing.utilities import prefect_test_harness
+
+    from infra.ports import free_port_block
+    from tasks.lag import SlotClaims, request_retire
+    from tasks.metrics import read_metrics
+    from tasks.shards import committed_slots
+
+    port = free_port_block()
+    config = load_config(TINY_CONFIG, [f"storage.root=file://{tmp_path}", "run_id=retiring", *SMALL_RUN, "engine.backend=sim",
+                                       f"engine.base_port={port}", "engine.sim.decode_base_s=0.3"])  # fmt: skip
+    store = initialize_run(config)
+    done, outcome = threading.Event(), {}
+
+    def pipeline_holds_the_run() -> None:
+        while not done.wait(0.5):
+            store.write_atomic(LEASE_KEY, json.dumps({"holder": "test (1)", "claim": "c1", "where": ["elsewhere", "", ""], "pid": 1, "at": time.time()}).encode())
+
+    with prefect_test_harness():
+        threading.Thread(target=pipeline_holds_the_run, daemon=True).start()
+        generator = threading.Thread(target=lambda: outcome.update(generation(config, "gen0", "c1")))
+        generator.start()
+        deadline = time.monotonic() + 120
+        while not SlotClaims(store, "gen0", config.training.prompts_per_step).claims() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        request_retire(store, "gen0")
+        retired_at, engine = time.monotonic(), f"http://127.0.0.1:{port}"
+        while time.monotonic() < deadline and (time.monotonic() - retired_at < 2.0 or not _decoding(engine)):
+            time.sleep(0.1)  # it looks once a second: it has seen the retire when its chunks decode
+        assert httpx.post(f"{engine}/abort_request", json={"abort_all": True}, timeout=10).status_code == 200
+        generator.join(timeout=180)
+        done.set()
+    assert not generator.is_alive() and outcome.get("retired")
+    claimed = SlotClaims(store, "gen0", config.training.prompts_per_step).claims()
+    assert claimed and set(claimed) <= set(committed_slots(store)), "every slot it claimed is committed"
+    assert [r for r in read_metrics(store, "generator-gen0") if r["event"] == "groups_aborted"], "the abort met a group"
+
+
+def _decoding(engine: str) -> bool:
+    """Whether the engine at `engine` has sequences running (False while it does not answer yet)."""
+    import httpx
+
+    try:
+        return httpx.get(f"{engine}/server_info", timeout=5).json()["num_running"] > 0
+    except httpx.HTTPError:
+        return False
