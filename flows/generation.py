@@ -251,8 +251,17 @@ class InFlightReport:
         self._refresher.start()
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.stop()
+    def __exit__(self, exc_type, *exc) -> None:
+        """A generator that failed has nothing in flight any more (its Dask cluster is gone): its
+        record, left to lapse, had the trainer wait a lifetime for last-chance groups that would
+        never come, and a pipeline started meanwhile leave it the claims no run of it would make."""
+        if exc_type is None:
+            self.stop()
+            return
+        try:
+            self.withdraw()
+        except Exception as err:  # the failure under way is the one to report
+            print(f"{self.producer}: could not withdraw its in-flight record: {err!r}")
 
     def maybe_publish(self) -> None:
         """Publish the count if it changed since the last publish."""

@@ -164,6 +164,15 @@ def test_a_generators_in_flight_record_stays_fresh_while_its_loop_is_held_up(fil
     assert not file_store.exists(f"{IN_FLIGHT_PREFIX}/gen0.json"), "no refresh brings a withdrawn record back"
 
 
+def test_a_generator_that_fails_withdraws_its_in_flight_record(file_store):
+    chunks = [_Chunk(SimpleNamespace(wrapped_future=Future()), version=3, slots=[0, 1])]
+    with pytest.raises(RuntimeError, match="engine died"), InFlightReport(file_store, "gen0", chunks) as report:
+        report.maybe_publish()
+        assert live_producers(file_store) == {"gen0"}
+        raise RuntimeError("engine died")
+    assert live_producers(file_store) == set() and groups_in_flight(file_store) == {}
+
+
 def test_live_producers_are_the_generators_with_a_fresh_in_flight_record(file_store, monkeypatch):
     publish_in_flight(file_store, "gen0", {3: 2})
     publish_in_flight(file_store, "gen1", {})
