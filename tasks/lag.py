@@ -293,9 +293,8 @@ def reopen_run(store: RunStore, checkpoint: int) -> list[int]:
     kept = [version for version in snapshot_versions(store) if version <= checkpoint]
     withdrawn = withdraw_after(store, kept[-1]) if kept else []
     state = read_trainer_state(store)
-    if state.done or withdrawn:
-        version = min(state.version, checkpoint) if withdrawn else state.version
-        publish_trainer_state(store, TrainerState(version, state.lost_groups))
+    if state.done or withdrawn or state.version > checkpoint:  # past it: a step with publish_every skipping its snapshot
+        publish_trainer_state(store, TrainerState(min(state.version, checkpoint), state.lost_groups))
     return withdrawn
 
 

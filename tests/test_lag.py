@@ -308,6 +308,16 @@ def test_reopening_a_run_clears_the_stop_request_and_the_done_mark(file_store):
     assert read_trainer_state(file_store) == TrainerState(version=6, lost_groups=2, done=False)
 
 
+def test_reopening_a_run_moves_the_trainer_state_back_to_the_checkpoint_without_a_snapshot_to_withdraw(file_store):
+    """publish_every 2: the dead trainer's step 7 published its state, not a snapshot. Left at v7,
+    the state had generators admit a step's groups more than the trainer resumed at v6 allows."""
+    from tasks.lag import TrainerState, publish_trainer_state, read_trainer_state, reopen_run
+
+    publish_trainer_state(file_store, TrainerState(version=7, lost_groups=1))
+    assert reopen_run(file_store, 6) == []
+    assert read_trainer_state(file_store) == TrainerState(version=6, lost_groups=1, done=False)
+
+
 def test_a_restarted_generator_checks_again_its_earlier_commits_of_the_last_lag_windows():
     """By version, not by slot: a replayed orphan has a low slot and a current version."""
     orphan, recent, old, older = (shard_key(v, "gen0", slot) for slot, v in [(1, 19), (40, 12), (39, 11), (38, 3)])
