@@ -283,17 +283,15 @@ def _exit_now(why: str, code: int = 130) -> NoReturn:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m flows.pipeline CONFIG [section.field=value ...]`."""
+    """`python -m flows.pipeline CONFIG [section.field=value ...]`: `tandem run CONFIG --set ...`,
+    with the same checks before anything starts (the run's inputs, its recorded config, its lease)."""
     args = sys.argv[1:] if argv is None else argv
     if not args or any(arg.startswith("-") for arg in args):
         print("usage: python -m flows.pipeline CONFIG [section.field=value ...] (overrides without --set)", file=sys.stderr)
         sys.exit(2)
-    try:
-        config = load_config(args[0], args[1:])
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
-    pipeline(config)
+    from flows.cli import app
+
+    app(["run", args[0], *(part for override in args[1:] for part in ("--set", override))], prog_name="python -m flows.pipeline")
 
 
 if __name__ == "__main__":

@@ -310,3 +310,14 @@ def test_python_m_flows_pipeline_refuses_bad_arguments_in_one_line(args: list[st
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert says in err and "Traceback" not in err, err
+
+
+def test_python_m_flows_pipeline_checks_a_run_as_tandem_run_does_before_it_starts(tmp_path: Path, capsys):
+    """The module was "the same" as `tandem run` in the README, but skipped its checks: an
+    environment with too few problems failed inside the flow, after the run directory was made."""
+    from flows.pipeline import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main([str(TINY_CONFIG), f"storage.root=file://{tmp_path}", "env.kwargs={digits: 1}"])
+    assert exit_.value.code == 2
+    assert "env.train_prompts" in capsys.readouterr().err and list(tmp_path.iterdir()) == []
