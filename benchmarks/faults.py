@@ -9,7 +9,7 @@ the run directory, not the processes' word for it:
 - finished: the run did all its work, its summary (written after the last step; the runs skip
   the held-out evaluations, `env.eval_prompts: 0`, which no fault touches) counts every step (deployed: the pipeline flow run Completed); the pipeline's
   exit code is reported beside it;
-- identity: generated = trained + dropped_stale + quarantined + duplicate + pending
+- identity: generated = trained + dropped_stale + dropped_no_signal + quarantined + duplicate + pending
   (tasks/report.py `accounting`, which counts what generators recorded and what the ledger says);
 - trained twice: group ids that occur more than once in the ledger's trained groups;
 - lag violations: trained samples whose policy_version is more than max_lag behind the step
@@ -56,7 +56,7 @@ from flows.cli import run_command  # noqa: E402
 from infra.prefect_server import PrefectServer, descendants  # noqa: E402
 from infra.seaweed import SeaweedServer, free_s3_port  # noqa: E402
 from infra.storage import RunStore, open_run_store  # noqa: E402
-from tasks.learner import LEDGER_KEY  # noqa: E402
+from tasks.ledger import LEDGER_KEY  # noqa: E402
 from tasks.metrics import read_metrics  # noqa: E402
 from tasks.checkpoints import latest_checkpoint_step  # noqa: E402
 from tasks.report import SUMMARY_KEY, accounting, train_steps  # noqa: E402

@@ -196,6 +196,12 @@ class TrainingConfig(Section):
     """Weight of the k3 KL term against snapshot v0 (the warm-started policy); 0 disables it."""
     entropy_coef: float = Field(0.0, ge=0, le=100)
     """Weight of the entropy bonus; 0 disables it."""
+    dynamic_sampling: bool = False
+    """Drop groups whose samples all got one reward (GRPO gives them no gradient) and train on
+    groups generated in their place, as DAPO does: every batch teaches, for more generation."""
+    dynamic_sampling_max_drops: int = Field(64, ge=1, le=1_000_000)
+    """Groups without signal one step drops at most before it trains on them (a policy that solves
+    or fails every prompt would otherwise generate without end)."""
     warmup_steps: int = Field(55, ge=0, le=1_000_000)
     """Supervised warm-start steps before RL (a random-init model gets no reward otherwise; 0 with model.path)."""
     warmup_lr: float = Field(1e-3, gt=0, le=1)

@@ -107,8 +107,10 @@ def watch_run(config: RunConfig, futures: list, poll_seconds: float = 1.0, conso
                 # Generators write their metrics every few seconds, the trainer every step: what it has
                 # trained or dropped was generated, even if not reported yet (the line read "trained
                 # 1280, generated 1152").
-                generated = max(generators_report, sum(last.get(fate, 0) for fate in ("trained", "dropped_stale", "duplicate")))
+                generated = max(generators_report, sum(last.get(fate, 0) for fate in ("trained", "dropped_stale", "dropped_no_signal", "duplicate")))
                 episode_info = f"generated {generated}, dropped {last.get('dropped_stale', 0)}"
+                if last.get("dropped_no_signal"):  # dynamic sampling
+                    episode_info += f" stale and {last['dropped_no_signal']} without signal"
                 progress.update(episodes, completed=last.get("trained", 0), info=episode_info)
                 if not console.is_terminal and version // every > reported:
                     reported = version // every

@@ -7,17 +7,17 @@
    dropping what is left there as stale, as it does with the groups generators report as
    committed after that look (tasks/lag.py "Late groups"). Groups are picked oldest first (tasks/lag.py
    `select_batch`), read and validated; a bad shard goes to quarantine and another group
-   takes its place. It waits (polling, counted as idle time) until `prompts_per_step`
-   trainable groups are there, and while a batch would take younger groups before the
+   takes its place; with training.dynamic_sampling a group whose rewards are all one is
+   dropped, and another takes its place. It waits (polling, counted as idle time) until
+   `prompts_per_step` trainable groups are there, and while a batch would take younger groups before the
    last-chance groups still in flight (tasks/lag.py `waits_for_last_chance`).
 2. Group-normalised advantages, one RL optimizer step (tasks/trainer.py): V becomes V+1.
 3. Every `publish_every` steps a snapshot; then the trainer state (version, groups lost) that
    generators size their admission by; every `checkpoint_every` steps the metrics are flushed
    and a checkpoint with the ledger is saved.
 
-The ledger records every shard key the learner has disposed of (trained, dropped stale,
-quarantined, duplicate of a group already trained) and every trained group id. It is saved in each checkpoint, so a restarted trainer
-resumes at the checkpoint's step knowing exactly which shards that lineage of weights has seen:
+The ledger (tasks/ledger.py) records every shard key the learner has disposed of and its fate.
+It is saved in each checkpoint, so a restarted trainer resumes at the checkpoint's step knowing exactly which shards that lineage of weights has seen:
 none is trained twice, and none that it had not trained is skipped. The snapshots the dead trainer
 published after that checkpoint were withdrawn before it resumed (tasks/lag.py `reopen_run`), and
 shards generated on them, whose version is then ahead of the trainer's, are quarantined as from
@@ -31,19 +31,21 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from configs.fields import MAX_SLOTS
 from configs.schema import RunConfig
 from infra.manifest import ManifestError
 from infra.storage import RunStore
 from tasks.checkpoints import (
     CheckpointDamaged, apply_checkpoint_retention, latest_checkpoint_step, load_checkpoint, save_checkpoint, set_aside_checkpoint,
 )  # fmt: skip
+from tasks.ledger import LEDGER_KEY, LOST_FATES, Ledger
 from tasks.lag import (
     Candidate, TrainerState, forget_late, groups_in_flight, lag_of, late_shard_keys, publish_trainer_state, select_batch,
     waits_for_last_chance,
@@ -57,7 +59,6 @@ from tasks.snapshots import (
 )  # fmt: skip
 from tasks.trainer import Trainer, build_batch
 
-LEDGER_KEY = "lag/ledger.json"
 REPAIR_AFTER_WAIT_SECONDS = 20.0
 """How long an admission waits before the trainer answers reports of a damaged snapshot."""
 MAX_RECOMMITS = 3
@@ -66,33 +67,6 @@ LATE_CHECK_SECONDS = 5.0
 """How often a waiting trainer looks for groups reported late: also at the start of every admit,
 so a late group is counted lost within a step, or within this while the trainer waits (a stall
 that late groups cause is one where it waits)."""
-
-
-@dataclass
-class Ledger:
-    """Every shard the learner has disposed of, and the counts of the accounting identity."""
-
-    disposed: dict[str, str] = field(default_factory=dict)
-    """Shard key -> "trained", "stale", "quarantined" or "duplicate"."""
-    trained_groups: list[str] = field(default_factory=list)
-    counts: dict[str, int] = field(
-        default_factory=lambda: {"trained": 0, "dropped_stale": 0, "quarantined": 0, "duplicate": 0}
-    )
-    """Samples by fate (quarantined counts shards: a corrupt shard's rows cannot be counted)."""
-    lost_groups: int = 0
-    """Groups that will never be trained (stale or quarantined): generators may replace them."""
-    dropped_groups: list[str] = field(default_factory=list)
-    """Group ids dropped as stale: a later copy of one (an adopted claim's first owner committing
-    after all) is a duplicate, neither a second loss nor trained after its replacement was owed."""
-    lags: list[int] = field(default_factory=list)
-    """Lag of every trained group, in training order."""
-
-    def to_json(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_json(cls, data: dict) -> Ledger:
-        return cls(**data)
 
 
 class Learner:
@@ -123,6 +97,7 @@ class Learner:
         self.verified_snapshots: set[str] = set()
         """Manifest digests of snapshots reported damaged that verified here."""
         self._unfinished: tuple[set[str], dict] | None = None
+        self._warned_without_signal = False
         """The shards and figures of a step applied whose publish or checkpoint has not succeeded."""
         self.poll_seconds = 0.0
         """The part of it spent sleeping between looks, with no batch ready (the rest is
@@ -174,6 +149,7 @@ class Learner:
         self.poll_seconds = 0.0
         shared_losses = self.ledger.lost_groups
         late_checked = -LATE_CHECK_SECONDS
+        without_signal = 0
         while len(chosen) < groups:
             if should_stop():
                 return None
@@ -206,6 +182,11 @@ class Learner:
                 group = table["group_id"][0].as_py()
                 if group in seen_groups:  # a copy of a group trained or dropped before, or already in this batch
                     self._dispose(key, "duplicate", samples=table.num_rows)
+                elif self._drops_without_signal(table, without_signal):
+                    seen_groups.add(group)
+                    self.ledger.dropped_groups.append(group)
+                    self._dispose(key, "no_signal", samples=table.num_rows)
+                    without_signal += 1
                 else:
                     seen_groups.add(group)
                     chosen[key] = table
@@ -262,13 +243,16 @@ class Learner:
             time.sleep(max(0.0, simulated - (time.monotonic() - started)))
         compute_seconds = time.monotonic() - started
         lags = Counter()
+        without_signal = 0
         for key, shard in shards.items():
+            without_signal += pc.min(shard["reward"]).as_py() == pc.max(shard["reward"]).as_py()
             self._dispose(key, "trained", samples=shard.num_rows)
             self.ledger.trained_groups.append(shard["group_id"][0].as_py())
             self.ledger.lags.append(lag_of(trained_at, parse_shard_key(key).version))  # its oldest row's
             lags.update(lag_of(trained_at, version) for version in shard["policy_version"].to_pylist())
         metrics = step_metrics | {
             "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std(unbiased=False)), "samples": len(rollouts),
+            "groups_without_signal": without_signal,
             "lag_histogram": {str(k): lags[k] for k in sorted(lags)},
         }  # fmt: skip
         return {"metrics": metrics, "compute_seconds": compute_seconds, "started": started}
@@ -301,6 +285,25 @@ class Learner:
             for key in keys
             if key not in self.ledger.disposed and key not in exclude
         ]
+
+    def _drops_without_signal(self, table: pa.Table, dropped: int) -> bool:
+        """Whether dynamic sampling drops this group: its rewards are all one, and this step has
+        dropped fewer than training.dynamic_sampling_max_drops, and the shard keys can number the
+        replacement (admission's slots end at MAX_SLOTS)."""
+        training = self.config.training
+        if not training.dynamic_sampling or pc.min(table["reward"]).as_py() != pc.max(table["reward"]).as_py():
+            return False
+        slots_needed = (training.steps + self.config.lag.max_lag + 1) * training.prompts_per_step + self.ledger.lost_groups + 1
+        if dropped < training.dynamic_sampling_max_drops and slots_needed <= MAX_SLOTS:
+            return True
+        if not self._warned_without_signal:
+            self._warned_without_signal = True
+            why = (f"dropped {dropped} groups without signal (training.dynamic_sampling_max_drops): the policy solves or "
+                   "fails most prompts" if dropped >= training.dynamic_sampling_max_drops
+                   else f"the run's groups would number past {MAX_SLOTS:,} (lost {self.ledger.lost_groups})")  # fmt: skip
+            print(f"dynamic sampling: the admission for v{self.version + 1} {why}; it trains on groups without signal, "
+                  "which give no gradient (train_step's groups_without_signal counts them)")  # fmt: skip
+        return False
 
     def _drop_late(self, accounted: set[str]) -> None:
         """Drop the groups that generators reported as committed past the lag bound, which the
@@ -385,10 +388,8 @@ class Learner:
 
     def _dispose(self, key: str, fate: str, samples: int) -> None:
         self.ledger.disposed[key] = fate
-        counter = {"trained": "trained", "stale": "dropped_stale", "quarantined": "quarantined", "duplicate": "duplicate"}[fate]
-        self.ledger.counts[counter] += samples
-        if fate in ("stale", "quarantined"):
-            self.ledger.lost_groups += 1
+        self.ledger.count(fate, samples)
+        if fate in LOST_FATES:
             self.metrics.log("dropped", key=key, fate=fate, version=self.version)
 
     def _publish(self) -> None:

@@ -3,10 +3,10 @@
 Everything here is read back from storage, not taken from the processes' memory, so the same
 report can be made for any run, finished or killed, local or deployed:
 
-    generated = trained + dropped_stale + quarantined + duplicate + pending      (in samples)
+    generated = trained + dropped_stale + dropped_no_signal + quarantined + duplicate + pending   (samples)
 
 `generated` comes from the generators' own records of the shards they committed, the trained,
-stale and duplicate counts from the learner's ledger (rows it actually read), and `pending` from
+dropped and duplicate counts from the learner's ledger (rows it actually read), and `pending` from
 listing the committed shards the ledger never disposed of. A shard lost between a generator and
 the trainer would break the equality, which is why it is checked rather than derived.
 
@@ -30,7 +30,7 @@ import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 
 from infra.storage import RunStore  # noqa: E402
-from tasks.learner import LEDGER_KEY, Ledger  # noqa: E402
+from tasks.ledger import LEDGER_KEY, Ledger  # noqa: E402
 from tasks.metrics import read_metrics  # noqa: E402
 from tasks.shards import list_shards  # noqa: E402
 
@@ -64,6 +64,7 @@ def accounting(store: RunStore) -> dict:
         "generated": sum(r["samples"] for r in generated.values()),
         "trained": ledger.counts["trained"] - foreign_rows["trained"],
         "dropped_stale": ledger.counts["dropped_stale"] - foreign_rows["stale"],
+        "dropped_no_signal": ledger.counts["dropped_no_signal"] - foreign_rows["no_signal"],
         "quarantined": quarantined,
         "duplicate": ledger.counts["duplicate"] - foreign_rows["duplicate"],
         "pending": sum(generated.get(k, {}).get("samples", 0) for k in pending_keys),
@@ -121,8 +122,8 @@ def write_summary(store: RunStore, eval_before: dict | None, eval_after: dict | 
 
 def summary_rows(summary: dict) -> list[tuple[str, str]]:
     """The summary as (label, text) rows: what the console table and the UI artifact show."""
-    counts = ("trained", "dropped_stale", "quarantined", "duplicate", "pending")
-    identity = " + ".join(f"{summary[k]} {k}" for k in counts)
+    counts = ("trained", "dropped_stale", "dropped_no_signal", "quarantined", "duplicate", "pending")
+    identity = " + ".join(f"{summary.get(k, 0)} {k}" for k in counts)  # a summary written before a count was kept has none
     if summary["eval_before"] is None:
         score = solved = "not evaluated (env.eval_prompts is 0)"
     else:

@@ -503,3 +503,64 @@ def test_a_stale_copy_of_a_group_already_chosen_for_the_batch_is_a_duplicate_not
     assert {table["group_id"][0].as_py() for table in batch.values()} == {"s00000009", "s00000020"}
     assert learner.ledger.disposed[shard_key(0, "gen0", 12)] == "duplicate"
     assert learner.ledger.dropped_groups == [] and learner.ledger.lost_groups == 1, "the quarantined shard's group only"
+
+
+def write_rewarded(learner: Learner, group: str, seq: int, rewards: list[float]) -> str:
+    """A group on the trainer's version whose samples got `rewards`."""
+    rollouts = make_rollouts(n=len(rewards), version=learner.version)
+    rollouts = [dataclasses.replace(r, group_id=group, reward=reward) for r, reward in zip(rollouts, rewards)]
+    return write_shard(learner.store, rollouts, "gen0", seq).key
+
+
+def test_dynamic_sampling_drops_groups_without_signal_and_has_generators_replace_them(tmp_path: Path):
+    """All four samples solved (or all failed) give every advantage 0: no gradient, half of the
+    tiny run's batches by its end. Dropped, they count lost, which has generators make others."""
+    learner = make_learner(tmp_path, "training.dynamic_sampling=true")
+    solved = write_rewarded(learner, "s00000000", 0, [1.0] * 4)
+    write_rewarded(learner, "s00000001", 1, [0.0, 1.0, 0.0, 1.0])
+    failed = write_rewarded(learner, "s00000002", 2, [0.0] * 4)
+    write_rewarded(learner, "s00000003", 3, [0.5, 0.0, 1.0, 0.0])
+    batch = learner.admit_batch(poll_seconds=0.01)
+    assert sorted(batch) == [shard_key(0, "gen0", 1), shard_key(0, "gen0", 3)]
+    assert learner.ledger.disposed[solved] == learner.ledger.disposed[failed] == "no_signal"
+    assert learner.ledger.lost_groups == 2 and learner.ledger.counts["dropped_no_signal"] == 8
+    assert read_trainer_state(learner.store).lost_groups == 2, "shared with the generators"
+    assert learner.train_step(batch)["groups_without_signal"] == 0
+    copy = copy_shard(learner, solved, seq=9)
+    write_rewarded(learner, "s00000004", 4, [0.0, 1.0, 1.0, 1.0])
+    write_rewarded(learner, "s00000005", 5, [0.0, 1.0, 0.0, 0.0])
+    learner.admit_batch(poll_seconds=0.01)
+    assert learner.ledger.disposed[copy] == "duplicate" and learner.ledger.lost_groups == 2
+
+
+def test_dynamic_sampling_trains_on_groups_without_signal_past_its_drops_for_a_step(tmp_path: Path, capsys):
+    learner = make_learner(tmp_path, "training.dynamic_sampling=true", "training.dynamic_sampling_max_drops=1")
+    for seq in range(3):
+        write_rewarded(learner, f"s{seq:08d}", seq, [1.0] * 4)
+    batch = learner.admit_batch(poll_seconds=0.01)
+    assert learner.ledger.lost_groups == 1 and len(batch) == 2
+    assert learner.train_step(batch)["groups_without_signal"] == 2
+    assert "dynamic_sampling_max_drops" in capsys.readouterr().out
+
+
+def test_dynamic_sampling_drops_nothing_the_shard_keys_could_not_number_a_replacement_for(tmp_path: Path):
+    """(steps + max_lag + 1) x prompts_per_step slots at the config's limit: a loss would need one more."""
+    learner = make_learner(tmp_path, "training.dynamic_sampling=true", "training.steps=333331", "training.prompts_per_step=3")
+    for seq in range(3):
+        write_rewarded(learner, f"s{seq:08d}", seq, [1.0] * 4)
+    assert len(learner.admit_batch(poll_seconds=0.01)) == 3 and learner.ledger.lost_groups == 0
+
+
+def test_without_dynamic_sampling_groups_without_signal_are_trained_and_counted(tmp_path: Path):
+    learner = make_learner(tmp_path)
+    write_rewarded(learner, "s00000000", 0, [1.0] * 4)
+    write_rewarded(learner, "s00000001", 1, [0.0, 1.0, 0.0, 1.0])
+    assert learner.train_step(learner.admit_batch(poll_seconds=0.01))["groups_without_signal"] == 1
+
+
+def test_a_ledger_saved_before_a_fate_was_counted_loads_with_none_of_it():
+    from tasks.ledger import Ledger
+
+    old = {"disposed": {}, "trained_groups": [], "counts": {"trained": 8, "dropped_stale": 0, "quarantined": 0, "duplicate": 0},
+           "lost_groups": 0, "dropped_groups": [], "lags": []}  # fmt: skip
+    assert Ledger.from_json(old).counts == {"trained": 8, "dropped_stale": 0, "dropped_no_signal": 0, "quarantined": 0, "duplicate": 0}

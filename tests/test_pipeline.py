@@ -91,7 +91,7 @@ def test_run_trains_to_the_step_count_and_accounts_for_every_sample(finished_run
     summary = json.loads((finished_run / "summary.json").read_text())
     assert summary["steps"] == 3
     assert summary["identity_holds"], summary
-    assert summary["generated"] == summary["trained"] + summary["dropped_stale"] + summary["quarantined"] + summary["duplicate"] + summary["pending"]
+    assert summary["generated"] == summary["trained"] + summary["dropped_stale"] + summary["dropped_no_signal"] + summary["quarantined"] + summary["duplicate"] + summary["pending"]
     assert summary["trained"] == 3 * 4 * 8
     assert summary["max_trained_lag"] <= 1
     assert (finished_run / "plots" / "reward.png").stat().st_size > 0

@@ -9,7 +9,7 @@ import pytest
 
 from configs.schema import StorageConfig
 from infra.storage import open_run_store
-from tasks.learner import LEDGER_KEY, Ledger
+from tasks.ledger import LEDGER_KEY, Ledger
 from tasks.metrics import MetricsLog, MetricsTail, read_metrics
 from tasks.report import _union, accounting, summary_rows, train_steps, write_summary
 from tasks.shards import write_shard
@@ -51,7 +51,7 @@ def test_the_identity_sees_a_lost_shard(tmp_path):
     ledger = Ledger(disposed={keys[0]: "trained"}, counts={"trained": 8, "dropped_stale": 0, "quarantined": 0, "duplicate": 0})
     store.write_atomic(LEDGER_KEY, json.dumps(ledger.to_json()).encode())
     assert accounting(store) | {"max_trained_lag": 0} == {
-        "generated": 24, "trained": 8, "dropped_stale": 0, "quarantined": 0, "duplicate": 0, "pending": 16,
+        "generated": 24, "trained": 8, "dropped_stale": 0, "dropped_no_signal": 0, "quarantined": 0, "duplicate": 0, "pending": 16,
         "identity_holds": True, "foreign_shards": 0, "max_trained_lag": 0,
     }  # fmt: skip
     store.delete(keys[2])  # a committed shard vanishes without the ledger knowing
