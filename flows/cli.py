@@ -82,6 +82,12 @@ def resolve_config(config: Path | None, overrides: list[str] | None, run_id: str
         fail(str(err))
 
 
+def note_all(notes: list[str]) -> None:
+    """Print what is allowed but likely not meant, one `note:` line each, on stderr."""
+    for note in notes:
+        err_console.print(f"[bold yellow]note:[/] {escape(note)}", highlight=False, soft_wrap=True)
+
+
 def require_engine_backend(config: RunConfig) -> None:
     """Exit 2 before anything starts when engine.backend is sglang and SGLang is not installed
     here (for a process that starts engines itself)."""
@@ -148,9 +154,10 @@ def init(
     """Create a run directory: the resolved config.json and the initial weight snapshot v0."""
     resolved = resolve_config(config, overrides, run_id)  # before importing torch: fail fast
     from infra.storage import StorageRejected, StorageUnavailable, open_run_store
-    from tasks.rundir import RunConflict, check_run_writable, initialize_run
+    from tasks.rundir import RunConflict, check_run_writable, initialize_run, pretrained_model_notes
     from tasks.snapshots import snapshot_versions
 
+    note_all(pretrained_model_notes(resolved))
     try:
         check_run_writable(open_run_store(resolved.storage, resolved.run_id))
         with console.status(f"initialising run {resolved.run_id}"):
@@ -176,11 +183,12 @@ def run(
     from infra.storage import StorageRejected, StorageUnavailable, open_run_store
     from tasks.lag import read_trainer_state
     from tasks.lease import RunInUse, check_run_free
-    from tasks.rundir import RunConflict, check_recorded_config, check_run_inputs, check_run_writable
+    from tasks.rundir import RunConflict, check_recorded_config, check_run_inputs, check_run_writable, pretrained_model_notes
 
     try:  # here too, so that a typo or a reused run id is one line and not a failed flow run
         store = open_run_store(resolved.storage, resolved.run_id)
         check_run_inputs(resolved, store)
+        note_all(pretrained_model_notes(resolved))
         check_recorded_config(store, resolved)
         check_run_writable(store)
         check_run_free(store)

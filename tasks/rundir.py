@@ -18,7 +18,7 @@ from pathlib import Path
 
 from configs.loader import ConfigError, apply_override, validate_config
 from configs.fields import MASKED_SECRET, is_run_id
-from configs.schema import RunConfig
+from configs.schema import PRETRAINED_TRAINING_DEFAULTS, RunConfig
 from infra.modelfactory import given_model_dir, load_tokenizer, load_trainable_model, prepare_initial_model
 from infra.storage import RunStore, StorageRejected, open_run_store
 from tasks.envs import EnvironmentLoadError, load_environment
@@ -213,8 +213,42 @@ def check_run_inputs(config: RunConfig, store: RunStore) -> None:
             given_model_dir(config.model.path)
         except FileNotFoundError as err:
             raise ConfigError(str(err)) from None
+        context = _model_context(config.model.path)
+        if context is not None and config.model.max_position_embeddings > context:
+            raise ConfigError(f"model.max_position_embeddings ({config.model.max_position_embeddings}) is past the context of "
+                              f"model.path {config.model.path!r} ({context}): set it to at most {context}")  # fmt: skip
     if config.prefect.mode == "local" and config.training.device.startswith("cuda"):
         trainer_device(config)  # a GPU this machine lacks, before the engines start (deployed: in the warm-start or the trainer)
+
+
+def pretrained_model_notes(config: RunConfig) -> list[str]:
+    """What a config that gives model.path sets that is allowed but likely not meant: training
+    values the config gives where a pretrained model's defaults differ (a shipped tiny config with
+    `--set model.path=...` keeps its random-init model's learning rate and warm-start), and a
+    context shorter than the model's (episodes are cut at it)."""
+    if config.model.path is None:
+        return []
+    notes = []
+    given = {name: getattr(config.training, name) for name, default in PRETRAINED_TRAINING_DEFAULTS.items()
+             if getattr(config.training, name) != default}  # fmt: skip
+    if given:
+        notes.append("model.path is set, and the config gives " + ", ".join(f"training.{k} {v}" for k, v in given.items())
+                     + " where a pretrained model's defaults are " + ", ".join(str(PRETRAINED_TRAINING_DEFAULTS[k]) for k in given)
+                     + ": leave them out of the config to get those")  # fmt: skip
+    context = _model_context(config.model.path)
+    if context is not None and config.model.max_position_embeddings < context:
+        notes.append(f"episodes are cut at model.max_position_embeddings ({config.model.max_position_embeddings}) tokens; "
+                     f"model.path's context is {context}")  # fmt: skip
+    return notes
+
+
+def _model_context(path: str) -> int | None:
+    """max_position_embeddings of the HF config.json under `path`, if it says (None if unreadable)."""
+    try:
+        context = json.loads((Path(path).expanduser() / "config.json").read_text()).get("max_position_embeddings")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return context if isinstance(context, int) and not isinstance(context, bool) else None
 
 
 def _operational(field: str) -> bool:

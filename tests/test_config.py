@@ -349,3 +349,26 @@ def test_a_pretrained_model_gets_its_own_training_defaults_and_given_values_win(
     assert (built.training.lr, built.training.warmup_steps) == (2e-6, 0)
     recorded = RunConfig.model_validate_json(pretrained.model_dump_json())
     assert recorded.training == pretrained.training
+
+
+def test_a_model_path_run_is_told_what_it_keeps_of_the_tiny_set_up_and_refused_a_context_past_the_model(tmp_path: Path):
+    """`--set model.path=...` on a shipped tiny config keeps its learning rate and warm-start (the
+    config gives them, so the pretrained defaults do not apply) and its 64-token episodes."""
+    from infra.modelfactory import save_tiny_model
+    from configs.schema import ModelConfig
+    from tasks.rundir import pretrained_model_notes
+
+    model = save_tiny_model(ModelConfig(max_position_embeddings=128), tmp_path / "model", seed=0)
+    root = f"storage.root=file://{tmp_path}/runs"
+    notes = pretrained_model_notes(load_config(CONFIG_DIR / "tiny.yaml", [root, f"model.path={model}"]))
+    assert notes == [
+        "model.path is set, and the config gives training.lr 0.0002, training.warmup_steps 50 where a pretrained "
+        "model's defaults are 1e-06, 0: leave them out of the config to get those",
+        "episodes are cut at model.max_position_embeddings (64) tokens; model.path's context is 128",
+    ]
+    plain = tmp_path / "plain.yaml"
+    plain.write_text(f"run_id: plain\nmodel:\n  path: {model}\n  max_position_embeddings: 128\n")
+    assert pretrained_model_notes(load_config(plain, [root])) == []
+    with pytest.raises(ConfigError, match=r"model.max_position_embeddings \(256\) is past the context of model.path .* \(128\)"):
+        initialize_run(load_config(plain, [root, "model.max_position_embeddings=256"]))
+    assert not (tmp_path / "runs").exists()
