@@ -112,14 +112,15 @@ def validate_config(data: dict[str, Any]) -> RunConfig:
         raise ConfigError(describe_validation_error(err)) from None
 
 
-def describe_validation_error(err: ValidationError) -> str:
-    """One line per problem: `field.path: what is wrong (got X)`, unknown keys with the allowed ones."""
-    lines = [f"invalid config ({err.error_count()} problem{'s' * (err.error_count() > 1)}):"]
+def describe_validation_error(err: ValidationError, model: type[BaseModel] = RunConfig, what: str = "config") -> str:
+    """One line per problem: `field.path: what is wrong (got X)`, unknown keys with the allowed
+    ones (of `model`, the one validated: the run config unless said)."""
+    lines = [f"invalid {what} ({err.error_count()} problem{'s' * (err.error_count() > 1)}):"]
     for problem in err.errors():
         loc = [str(part) for part in problem["loc"]]
         where = ".".join(loc) or "(top level)"
         if problem["type"] == "extra_forbidden":
-            allowed = ", ".join(_allowed_keys(RunConfig, loc[:-1]))
+            allowed = ", ".join(_allowed_keys(model, loc[:-1]))
             lines.append(f"  {where}: unknown key; allowed here: {allowed}")
             continue
         message = problem["msg"].removeprefix("Value error, ")

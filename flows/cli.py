@@ -350,8 +350,7 @@ def config_show(
 ) -> None:
     """Print the resolved configuration (defaults filled in, overrides applied, secrets masked).
 
-    --json leaves the secrets out (null), saying on stderr which: its output is what a deployed
-    run is submitted with, where the mask is refused as a value."""
+    --json leaves the secrets out (null), saying on stderr which: its output is what a deployed run is submitted with, where the mask is refused as a value."""
     resolved = resolve_config(config, overrides)
     if not as_json:
         typer.echo(yaml.safe_dump(resolved.model_dump(mode="json"), sort_keys=False))
@@ -424,6 +423,7 @@ def engine_serve(
 
     from pydantic import ValidationError
 
+    from configs.loader import describe_validation_error
     from configs.schema import SimLatencyConfig
     from infra.engines.server import AddressUnavailable, ModelUnloadable, serve
     from infra.modelfactory import given_model_dir
@@ -431,7 +431,7 @@ def engine_serve(
     try:
         latency = SimLatencyConfig.model_validate_json(sim_latency) if sim_latency else None
     except ValidationError as err:
-        fail(f"--sim-latency: {err}")
+        fail(describe_validation_error(err, SimLatencyConfig, what="--sim-latency (a JSON object of engine.sim's fields)"))
     try:
         given_model_dir(str(model))
     except FileNotFoundError:
