@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 
 RECENT_STEPS = 10
 """Rows of the metrics table artifact."""
-TABLE_COLUMNS = ("version", "reward_mean", "loss", "kl", "entropy", "grad_norm", "lag_max", "dropped_stale", "wait_seconds", "step_seconds")
+TABLE_COLUMNS = ("version", "reward_mean", "groups_without_signal", "loss", "kl", "entropy", "grad_norm", "lag_max", "dropped_stale", "wait_seconds", "step_seconds")
 
 
 def api_unavailable(err: BaseException) -> bool:
