@@ -15,6 +15,10 @@ import json
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+from pydantic_core import to_jsonable_python
 
 from configs.loader import ConfigError, apply_override, validate_config
 from configs.fields import MASKED_SECRET, is_run_id
@@ -256,11 +260,27 @@ def _operational(field: str) -> bool:
 
 
 def _changed_fields(old: dict, new: dict, prefix: str = "") -> list[str]:
+    """Fields of the recorded config `old` that `new` changes. A field the recorded config lacks
+    was added since the run started, and ran as its default: only another value changes it."""
     changed = []
     for key in sorted(set(old) | set(new)):
-        a, b = old.get(key), new.get(key)
+        a, b = old.get(key, _default_of(f"{prefix}{key}")), new.get(key)
         if isinstance(a, dict) and isinstance(b, dict):
             changed += _changed_fields(a, b, f"{prefix}{key}.")
         elif a != b:
             changed.append(f"{prefix}{key}")
     return changed
+
+
+def _default_of(field: str) -> Any:
+    """The JSON form of RunConfig's default for `field` ("training.lr"); None for a field it lacks."""
+    model: type[BaseModel] = RunConfig
+    *sections, name = field.split(".")
+    for section in sections:
+        annotation = model.model_fields[section].annotation if section in model.model_fields else None
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return None
+        model = annotation
+    if name not in model.model_fields:
+        return None
+    return to_jsonable_python(model.model_fields[name].get_default(call_default_factory=True))

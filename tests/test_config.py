@@ -208,6 +208,11 @@ def test_init_writes_config_and_snapshot_once_and_refuses_a_changed_config(tmp_p
     older = dict(recorded, training={k: v for k, v in recorded["training"].items() if k != "gradient_checkpointing"})
     (run_dir / "config.json").write_text(json.dumps(older))  # recorded before the field existed
     assert runner.invoke(app, args).exit_code == 0, "a run from before training.gradient_checkpointing is continued"
+    older = dict(recorded, training={k: v for k, v in recorded["training"].items() if not k.startswith("dynamic_sampling")})
+    (run_dir / "config.json").write_text(json.dumps(older))  # recorded before the fields existed: it ran without
+    assert runner.invoke(app, args).exit_code == 0, "a run from before training.dynamic_sampling is continued"
+    with_it = runner.invoke(app, [*args, "--set", "training.dynamic_sampling=true"])
+    assert with_it.exit_code == 2 and "training.dynamic_sampling" in with_it.output, "what it trains on did change"
 
 
 def test_a_run_is_found_however_its_root_is_spelt_and_its_url_names_it(tmp_path: Path, monkeypatch):
