@@ -252,10 +252,12 @@ class InFlightReport:
         return self
 
     def __exit__(self, exc_type, *exc) -> None:
-        """A generator that failed has nothing in flight any more (its Dask cluster is gone): its
-        record, left to lapse, had the trainer wait a lifetime for last-chance groups that would
-        never come, and a pipeline started meanwhile leave it the claims no run of it would make."""
-        if exc_type is None:
+        """A generator that fails withdraws its record (unless it was stopped already: a
+        successor's generator of this name owns it then): its chunks end with its Dask cluster,
+        which closes next, and the record, left to lapse, had the trainer wait a lifetime for
+        last-chance groups that would never come, and a pipeline started meanwhile leave it the
+        claims no run of it would make."""
+        if exc_type is None or self._stop.is_set():
             self.stop()
             return
         try:

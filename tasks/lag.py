@@ -7,7 +7,8 @@ in the step that produces V+1 has lag V - v. Two mechanisms keep every trained g
 - **Admission** (generators, before starting work). At trainer version V, at most
   `(V + max_lag + 1) * groups_per_step + lost` groups may have been started in total, over all
   generators (AReaL-style capacity; `lost` counts groups that will never be trained: dropped
-  stale or quarantined, whose capacity would otherwise leak until the run deadlocks). Work past that could only finish too stale, so a generator
+  stale, dropped without signal (training.dynamic_sampling) or quarantined, whose capacity would
+  otherwise leak until the run deadlocks). Work past that could only finish too stale, so a generator
   waits for newer weights instead of starting it. Every started group holds one *slot*, a
   numbered claim in the run directory created with put-if-absent, so concurrent generators on
   different machines never count one slot twice and a generator that joins late reads the count

@@ -69,6 +69,11 @@ so a late group is counted lost within a step, or within this while the trainer 
 that late groups cause is one where it waits)."""
 
 
+def without_signal(group: pa.Table) -> bool:
+    """Whether every sample of the group got one reward: GRPO gives it advantage 0, no gradient."""
+    return pc.min(group["reward"]).as_py() == pc.max(group["reward"]).as_py()
+
+
 class Learner:
     """Trains on shards as generators commit them, within the lag bound."""
 
@@ -97,8 +102,11 @@ class Learner:
         self.verified_snapshots: set[str] = set()
         """Manifest digests of snapshots reported damaged that verified here."""
         self._unfinished: tuple[set[str], dict] | None = None
-        self._warned_without_signal = False
         """The shards and figures of a step applied whose publish or checkpoint has not succeeded."""
+        self._without_signal_dropped = (0, 0)
+        """(version, groups) dynamic sampling has dropped for that version's batch: kept across a
+        retried admission, so that its limit holds for the step."""
+        self._warned_without_signal = False
         self.poll_seconds = 0.0
         """The part of it spent sleeping between looks, with no batch ready (the rest is
         listing, reading and validating shards: bookkeeping)."""
@@ -149,7 +157,6 @@ class Learner:
         self.poll_seconds = 0.0
         shared_losses = self.ledger.lost_groups
         late_checked = -LATE_CHECK_SECONDS
-        without_signal = 0
         while len(chosen) < groups:
             if should_stop():
                 return None
@@ -182,11 +189,10 @@ class Learner:
                 group = table["group_id"][0].as_py()
                 if group in seen_groups:  # a copy of a group trained or dropped before, or already in this batch
                     self._dispose(key, "duplicate", samples=table.num_rows)
-                elif self._drops_without_signal(table, without_signal):
+                elif self._drops_without_signal(table):
                     seen_groups.add(group)
                     self.ledger.dropped_groups.append(group)
                     self._dispose(key, "no_signal", samples=table.num_rows)
-                    without_signal += 1
                 else:
                     seen_groups.add(group)
                     chosen[key] = table
@@ -243,16 +249,14 @@ class Learner:
             time.sleep(max(0.0, simulated - (time.monotonic() - started)))
         compute_seconds = time.monotonic() - started
         lags = Counter()
-        without_signal = 0
         for key, shard in shards.items():
-            without_signal += pc.min(shard["reward"]).as_py() == pc.max(shard["reward"]).as_py()
             self._dispose(key, "trained", samples=shard.num_rows)
             self.ledger.trained_groups.append(shard["group_id"][0].as_py())
             self.ledger.lags.append(lag_of(trained_at, parse_shard_key(key).version))  # its oldest row's
             lags.update(lag_of(trained_at, version) for version in shard["policy_version"].to_pylist())
         metrics = step_metrics | {
             "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std(unbiased=False)), "samples": len(rollouts),
-            "groups_without_signal": without_signal,
+            "groups_without_signal": sum(map(without_signal, shards.values())),
             "lag_histogram": {str(k): lags[k] for k in sorted(lags)},
         }  # fmt: skip
         return {"metrics": metrics, "compute_seconds": compute_seconds, "started": started}
@@ -286,15 +290,18 @@ class Learner:
             if key not in self.ledger.disposed and key not in exclude
         ]
 
-    def _drops_without_signal(self, table: pa.Table, dropped: int) -> bool:
+    def _drops_without_signal(self, table: pa.Table) -> bool:
         """Whether dynamic sampling drops this group: its rewards are all one, and this step has
         dropped fewer than training.dynamic_sampling_max_drops, and the shard keys can number the
         replacement (admission's slots end at MAX_SLOTS)."""
         training = self.config.training
-        if not training.dynamic_sampling or pc.min(table["reward"]).as_py() != pc.max(table["reward"]).as_py():
+        if not training.dynamic_sampling or not without_signal(table):
             return False
+        version, dropped = self._without_signal_dropped
+        dropped = dropped if version == self.version else 0
         slots_needed = (training.steps + self.config.lag.max_lag + 1) * training.prompts_per_step + self.ledger.lost_groups + 1
         if dropped < training.dynamic_sampling_max_drops and slots_needed <= MAX_SLOTS:
+            self._without_signal_dropped = (self.version, dropped + 1)
             return True
         if not self._warned_without_signal:
             self._warned_without_signal = True

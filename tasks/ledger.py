@@ -1,7 +1,8 @@
 """The ledger: the trainer's exactly-once record, saved in every checkpoint and at the end of a run.
 
 Every shard key the learner has disposed of, with its fate (trained, dropped stale, dropped
-without signal, quarantined, duplicate of a group already trained or dropped), the ids of the
+without signal, quarantined, duplicate of a group already trained, dropped, or chosen for the
+batch being filled), the ids of the
 groups trained and dropped, the lag of each trained group, and the samples by fate. A trainer
 resumed from checkpoint K restores the ledger of step K: it neither skips nor repeats a shard.
 tasks/report.py checks the accounting identity from its counts, the generators' own records of

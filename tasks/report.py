@@ -30,7 +30,7 @@ import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 
 from infra.storage import RunStore  # noqa: E402
-from tasks.ledger import LEDGER_KEY, Ledger  # noqa: E402
+from tasks.ledger import COUNTS, LEDGER_KEY, Ledger  # noqa: E402
 from tasks.metrics import read_metrics  # noqa: E402
 from tasks.shards import list_shards  # noqa: E402
 
@@ -122,8 +122,7 @@ def write_summary(store: RunStore, eval_before: dict | None, eval_after: dict | 
 
 def summary_rows(summary: dict) -> list[tuple[str, str]]:
     """The summary as (label, text) rows: what the console table and the UI artifact show."""
-    counts = ("trained", "dropped_stale", "dropped_no_signal", "quarantined", "duplicate", "pending")
-    identity = " + ".join(f"{summary.get(k, 0)} {k}" for k in counts)  # a summary written before a count was kept has none
+    identity = " + ".join(f"{summary.get(k, 0)} {k}" for k in (*COUNTS, "pending"))  # a summary written before a count was kept has none
     if summary["eval_before"] is None:
         score = solved = "not evaluated (env.eval_prompts is 0)"
     else:

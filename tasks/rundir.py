@@ -207,6 +207,8 @@ def check_run_inputs(config: RunConfig, store: RunStore) -> None:
     except Exception as err:  # whatever the user's class raises on these kwargs, a retry reads the same
         raise ConfigError(f"env.kwargs: {config.env.entrypoint} refuses them: {type(err).__name__}: {err}") from None
     for split, count in (("train", config.env.train_prompts), ("eval", config.env.eval_prompts)):
+        if not count:  # an environment without held-out prompts runs with env.eval_prompts: 0
+            continue
         try:  # the warm-start and the evaluation ask for them later, after the run directory is written
             env.prompts(split, count, config.seed)
         except Exception as err:

@@ -15,6 +15,7 @@ from configs import CONFIG_DIR, ConfigError, RunConfig, load_config
 from configs.schema import TrainingConfig
 from configs.loader import validate_config
 from flows.cli import app, resolve_config
+from tasks.envs.calculator import CalculatorEnv
 from tasks.rundir import initialize_run, load_run_config
 
 runner = CliRunner()
@@ -377,3 +378,24 @@ def test_a_model_path_run_is_told_what_it_keeps_of_the_tiny_set_up_and_refused_a
     with pytest.raises(ConfigError, match=r"model.max_position_embeddings \(256\) is past the context of model.path .* \(128\)"):
         initialize_run(load_config(plain, [root, "model.max_position_embeddings=256"]))
     assert not (tmp_path / "runs").exists()
+
+
+class TrainOnlyEnv(CalculatorEnv):
+    """An environment with no held-out split: it refuses to give eval prompts."""
+
+    def prompts(self, split, count, seed):
+        if split == "eval":
+            raise ValueError("no eval split")
+        return super().prompts(split, count, seed)
+
+
+def test_an_environment_without_held_out_prompts_runs_with_none_asked_for(tmp_path: Path):
+    from tasks.rundir import check_run_inputs
+    from infra.storage import open_run_store
+
+    overrides = [f"storage.root=file://{tmp_path}", "env.entrypoint=tests.test_config:TrainOnlyEnv"]
+    config = load_config(CONFIG_DIR / "tiny.yaml", [*overrides, "env.eval_prompts=0"])
+    check_run_inputs(config, open_run_store(config.storage, config.run_id))
+    asked = load_config(CONFIG_DIR / "tiny.yaml", overrides)
+    with pytest.raises(ConfigError, match="env.eval_prompts: tests.test_config:TrainOnlyEnv .* cannot give 200 eval prompts"):
+        check_run_inputs(asked, open_run_store(asked.storage, asked.run_id))

@@ -172,6 +172,12 @@ def test_a_generator_that_fails_withdraws_its_in_flight_record(file_store):
         raise RuntimeError("engine died")
     assert live_producers(file_store) == set() and groups_in_flight(file_store) == {}
 
+    publish_in_flight(file_store, "gen0", {5: 2})  # a successor's generator of this name owns the record now
+    with pytest.raises(RuntimeError), InFlightReport(file_store, "gen0", chunks) as report:
+        report.stop()  # what the flow does when a successor holds the run
+        raise RuntimeError("storage went away")
+    assert groups_in_flight(file_store) == {5: 2}, "the successor's record stays"
+
 
 def test_live_producers_are_the_generators_with_a_fresh_in_flight_record(file_store, monkeypatch):
     publish_in_flight(file_store, "gen0", {3: 2})

@@ -543,6 +543,18 @@ def test_dynamic_sampling_trains_on_groups_without_signal_past_its_drops_for_a_s
     assert "dynamic_sampling_max_drops" in capsys.readouterr().out
 
 
+def test_dynamic_sampling_s_limit_holds_for_the_step_across_admissions(tmp_path: Path):
+    """The training flow retries a failed admission on the same learner: the drops of the first
+    try count against the step's limit."""
+    learner = make_learner(tmp_path, "training.dynamic_sampling=true", "training.dynamic_sampling_max_drops=1")
+    for seq in range(3):
+        write_rewarded(learner, f"s{seq:08d}", seq, [1.0] * 4)
+    looks = []
+    assert learner.admit_batch(lambda: looks.append(0) or len(looks) > 1, poll_seconds=0.01) is None
+    assert learner.ledger.lost_groups == 1
+    assert len(learner.admit_batch(poll_seconds=0.01)) == 2 and learner.ledger.lost_groups == 1
+
+
 def test_dynamic_sampling_drops_nothing_the_shard_keys_could_not_number_a_replacement_for(tmp_path: Path):
     """(steps + max_lag + 1) x prompts_per_step slots at the config's limit: a loss would need one more."""
     learner = make_learner(tmp_path, "training.dynamic_sampling=true", "training.steps=333331", "training.prompts_per_step=3")
