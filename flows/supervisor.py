@@ -53,7 +53,7 @@ from configs.schema import RunConfig
 from flows.scaling import clear_scale_request, initial_generation_runs, requested_count, scale_variable
 from flows.ui import api_unavailable
 from infra.deployments import UNRESPONSIVE_MESSAGE
-from infra.storage import open_run_store
+from infra.storage import StorageUnavailable, open_run_store
 from tasks.autoscale import autoscale_target, generator_wait_fraction, trainer_idle_fraction
 from tasks.lag import SlotClaims, live_producers, request_retire, request_stop, stop_reason, withdraw_retire
 from tasks.lease import PipelineWatch
@@ -226,8 +226,9 @@ class Supervisor:
 
     def watch(self):
         """One look at the children: restart failed generators, follow the wanted count; returns
-        the training run's state. While the Prefect API is unavailable it returns the state last
-        seen (not final), so the loop looks again, until `API_OUTAGE_SECONDS` without an answer.
+        the training run's state. While the Prefect API or the run's storage is unavailable it
+        returns the state last seen (not final), so the loop looks again, until
+        `API_OUTAGE_SECONDS` without an answer.
         A pipeline that another has taken the run from (it stalled past its lease) gives up."""
         if self.pipeline.gone() and self.pipeline.successor is not None:
             raise ChildRunFailed(f"this pipeline no longer holds the run: {self.pipeline.reason}")
@@ -237,17 +238,20 @@ class Supervisor:
                 self.restart_failed_generators()
                 self.scale_to(self.wanted_generators())
         except Exception as err:
-            if not api_unavailable(err):
+            # The run's storage too: the look reads it (metrics for autoscale, claims and retire
+            # requests for restarts), and the children ride out its outages, so the parent does.
+            away = "the Prefect API" if api_unavailable(err) else "the run's storage" if isinstance(err, StorageUnavailable) else None
+            if away is None:
                 raise
             now = time.monotonic()
             if self.api_lost_at is None:
                 self.api_lost_at = now
-                self.log.warning("the Prefect API is unavailable (%r); the children keep running, watching again", err)
+                self.log.warning("%s is unavailable (%r); the children keep running, watching again", away, err)
             elif now - self.api_lost_at > API_OUTAGE_SECONDS:
-                raise ChildRunFailed(f"the Prefect API has been unavailable for {now - self.api_lost_at:.0f} s: {err!r}") from err
+                raise ChildRunFailed(f"{away} has been unavailable for {now - self.api_lost_at:.0f} s: {err!r}") from err
             return self.training_state
         if self.api_lost_at is not None:
-            self.log.info("the Prefect API answers again after %.0f s", time.monotonic() - self.api_lost_at)
+            self.log.info("the Prefect API and the run's storage answer again after %.0f s", time.monotonic() - self.api_lost_at)
             self.api_lost_at = None
         self.training_state = state
         return state
@@ -309,13 +313,16 @@ class Supervisor:
         del self.generators[producer]
         self.set_target(self.target - 1, f"generation {producer} was cancelled")
         request_retire(self.store, producer)
-        claims = SlotClaims(self.store, producer, self.config.training.prompts_per_step)
-        unfinished = claims.claimed_by_me(exclude=set(committed_slots(self.store)))
-        if unfinished:
+        if unfinished := self.unfinished_claims(producer):
             self.log.warning("generation %s was cancelled with %d claimed groups unfinished: it comes back to finish them, "
                              "then leaves", producer, len(unfinished))  # fmt: skip
             self.retiring[producer] = run_id  # should the start fail, the retiring watch starts it (and charges it)
             self.retiring[producer] = self.start("generation", producer=producer).id
+
+    def unfinished_claims(self, producer: str) -> list[int]:
+        """The slots `producer` claimed and has not committed: only a run of its id makes them."""
+        claims = SlotClaims(self.store, producer, self.config.training.prompts_per_step)
+        return claims.claimed_by_me(exclude=set(committed_slots(self.store)))
 
     def give_up(self, what: str, producer: str, state) -> None:
         """No more runs of `producer` (out of restarts), nor any new generation run; stop the run
@@ -336,8 +343,7 @@ class Supervisor:
         flight have max_lag x prompts_per_step slots to spare, and past that no batch fills
         again. The trainer would wait for ever, and the parent with it."""
         per_step, max_lag = self.config.training.prompts_per_step, self.config.lag.max_lag
-        claims = SlotClaims(self.store, producer, per_step)
-        self.abandoned_slots += len(claims.claimed_by_me(exclude=set(committed_slots(self.store))))
+        self.abandoned_slots += len(self.unfinished_claims(producer))
         if self.abandoned_slots <= max_lag * per_step:
             return None
         return (
@@ -391,6 +397,10 @@ class Supervisor:
                 continue
             if _marked_unresponsive(state) and producer in live_producers(self.store):
                 continue  # its heartbeats were lost, not its process: it still finishes its claims
+            if not self.unfinished_claims(producer):  # it ended (a cancel, a crash) after its last commit
+                del self.retiring[producer]
+                self.log.info("retiring generation %s ended %s with every group it claimed committed", producer, _ended(state))
+                continue
             # It died before committing what it claimed, which only a run of its name generates:
             # started again with the retire request in place, it does that and leaves.
             if self.restarts < self.config.prefect.generation_restarts:

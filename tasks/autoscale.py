@@ -11,7 +11,10 @@ both read from the run's metrics files, so the decision needs nothing but the ru
 
 One step at a time, and no change within `cooldown_seconds` of the last, so that each change
 shows in the measurements before the next is decided. Adding wins when both signals fire: a
-trainer that waits is the cost tandem exists to remove.
+trainer that waits is the cost tandem exists to remove. So a retire waits until the trainer's
+idle fraction is measured again after the last change: decided on the generators' wait alone (a
+10 s window, high whenever it falls while the trainer steps), it retired the generator just
+added for a waiting trainer, which the next measurement added again, a boot each cycle.
 """
 
 from __future__ import annotations
@@ -59,6 +62,6 @@ def autoscale_target(current: int, trainer_idle: float | None, generator_wait: f
         return target
     if trainer_idle is not None and trainer_idle > policy.target_trainer_idle:
         return min(current + 1, policy.max)
-    if generator_wait is not None and generator_wait > policy.max_generator_wait:
+    if trainer_idle is not None and generator_wait is not None and generator_wait > policy.max_generator_wait:
         return max(current - 1, policy.min)
     return current

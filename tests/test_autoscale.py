@@ -48,6 +48,14 @@ def test_generators_held_back_by_the_lag_bound_lose_one_down_to_min():
     assert autoscale_target(1, trainer_idle=0.05, generator_wait=0.6, policy=POLICY) == 1
 
 
+def test_no_generator_is_retired_before_the_trainer_s_idle_fraction_is_measured_again():
+    """A step of 100 s, max_lag 0: the trainer idles 60% while generators wait 40% of each 10 s
+    window. Retiring on the generators' wait alone while the trainer's signal was still unknown
+    after an addition undid it, and the next measurement added it again."""
+    assert autoscale_target(1, trainer_idle=0.6, generator_wait=0.4, policy=POLICY) == 2
+    assert autoscale_target(2, trainer_idle=None, generator_wait=0.6, policy=POLICY) == 2
+
+
 def test_a_balanced_run_keeps_its_size_and_bounds_are_enforced_first():
     assert autoscale_target(2, trainer_idle=0.1, generator_wait=0.1, policy=POLICY) == 2
     assert autoscale_target(2, trainer_idle=None, generator_wait=None, policy=POLICY) == 2

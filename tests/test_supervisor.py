@@ -101,6 +101,22 @@ def test_a_retiring_generator_that_dies_is_started_again_to_finish_its_claims(fi
     assert parent.gave_up, "its id is not reused by a scale-up, which would get round the restarts"
 
 
+@pytest.mark.parametrize("restarts", [0, 1])
+def test_a_retiring_generator_that_ends_after_its_last_commit_is_neither_restarted_nor_given_up_on(file_store, restarts):
+    """Cancelled in the UI, or crashed in its teardown, after committing every group it claimed:
+    a restart booted engines to do nothing and was charged; with none left, the give-up ignored
+    every later scale-up."""
+    parent = parent_of(file_store, max_lag=1, restarts=restarts)
+    request_retire(file_store, "gen1")
+    child(parent, "gen0", Running())
+    child(parent, "gen1", Failed(message="cancelled in teardown"), retiring=True)
+    parent.target = 1
+    parent.scale_to(1)
+    assert parent.started == [] and parent.retiring == {} and parent.restarts == 0 and not parent.gave_up
+    parent.scale_to(2)
+    assert parent.started == ["gen1"], "a scale-up still adds a generation run"
+
+
 def test_a_restart_the_api_refused_is_not_charged_and_is_tried_again(file_store):
     parent = parent_of(file_store, max_lag=1, restarts=1)
     child(parent, "gen0", Failed(message="boom"))

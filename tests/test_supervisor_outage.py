@@ -62,6 +62,23 @@ def test_watch_looks_again_while_the_api_is_away_and_sees_training_finish():
     assert parent.api_lost_at is None, "an answer ends the outage"
 
 
+def test_watch_rides_out_the_run_s_storage_being_away_as_the_children_do():
+    """Autoscale's metrics, the claims a restart checks and the retire requests are storage reads:
+    a storage outage past storage.retry_seconds failed the parent, which cancelled healthy children."""
+    from infra.storage import StorageUnavailable
+
+    parent = _supervisor([Running(), Running(), Completed()])
+    outage = [StorageUnavailable("storage at s3://tandem/run failed")]
+
+    def scale_to(wanted: int) -> None:  # its first call meets the outage
+        if outage:
+            raise outage.pop()
+
+    parent.scale_to = scale_to
+    assert [parent.watch().is_final() for _ in range(3)] == [False, False, True]
+    assert parent.api_lost_at is None
+
+
 def test_watch_gives_up_after_a_long_outage_and_on_other_errors(monkeypatch):
     parent = _supervisor([httpx.ConnectError("refused")] * 2)
     monkeypatch.setattr(supervisor, "API_OUTAGE_SECONDS", 0.0)
