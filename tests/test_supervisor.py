@@ -329,6 +329,9 @@ def test_a_generator_still_starting_does_not_hold_a_retire(file_store, monkeypat
     parent.start_generator("gen1")  # neither has its engines up
     for producer in ("gen0", "gen1"):
         MetricsLog(file_store, f"generator-{producer}", flush_seconds=0).log("load", idle_fraction=0.95, time=time.time() + 5)
+    trainer = MetricsLog(file_store, "trainer", flush_seconds=0)
+    for _ in range(2):  # the trainer's idle share, measured since the last change: it does not wait
+        trainer.log("train_step", wait_seconds=0.0, step_seconds=1.0, time=time.time() + 5)
     assert parent.still_starting() == ["gen0", "gen1"] and parent.wanted_generators() == 1
 
 
