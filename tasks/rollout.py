@@ -5,8 +5,10 @@ An episode alternates model turns and environment steps:
     prompt ids -> engine /generate -> model tokens -> decode -> env.step(action)
                -> observation text -> env tokens -> appended -> next /generate ...
 
-until the environment says done, max_turns is reached, or the context is full (the last two ask
-the environment for the reward of an episode cut short, `Environment.truncate`). Model tokens are
+until the environment says done, max_turns is reached, or the context is full, before a turn
+or during one (the last two ask the environment for the reward of an episode cut short,
+`Environment.truncate`: a turn the context cut off is not stepped, its answer or tool call
+unfinished; one cut at max_new_tokens with room left is, as the environment's input). Model tokens are
 kept exactly as the engine returned them (never decoded and re-encoded), with the engine's
 behaviour logprobs and loss_mask 1; environment tokens are encoded once, with loss_mask 0 and
 logprob 0. So what the trainer scores is byte-for-byte what the engine sampled.
@@ -21,6 +23,7 @@ under a running episode.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -56,12 +59,17 @@ def turn_stop_ids(tokenizer: PreTrainedTokenizerBase, model_eos: Iterable[int] =
 
 
 def model_eos_ids(model_dir: Path) -> list[int]:
-    """The end tokens an HF model directory's generation_config.json names ([] without one)."""
+    """The end tokens an HF model directory names: its generation_config.json's, or without one its
+    config.json's, where the engines (transformers' generate, SGLang) take them from then ([]
+    if neither names one)."""
     try:
         eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
     except OSError:  # no generation_config.json
-        return []
-    return sorted({eos} if isinstance(eos, int) else set(eos or ()))
+        try:
+            eos = json.loads((Path(model_dir) / "config.json").read_text()).get("eos_token_id")
+        except (OSError, ValueError, AttributeError):
+            return []
+    return sorted({eos} if isinstance(eos, int) else {i for i in eos or () if isinstance(i, int)})
 
 
 def prompt_token_ids(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
@@ -116,6 +124,9 @@ async def run_episode(
         turns += 1
         finish = meta["finish_reason"]["type"]
         if finish == "abort":
+            break
+        if finish == "length" and len(tokens) >= room:  # the context filled up mid-turn: an unfinished
+            reward = env.truncate().reward              # answer or tool call is not the environment's to judge
             break
         step = env.step(turn_text(tokenizer, tokens, stop_ids))
         reward = step.reward

@@ -127,6 +127,8 @@ def test_the_callers_stop_tokens_end_a_turn_beside_the_tokenizers(engine):
 
 def test_the_models_end_tokens_come_from_its_generation_config(tmp_path: Path):
     assert model_eos_ids(tmp_path) == []
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 7}))
+    assert model_eos_ids(tmp_path) == [7], "without a generation config, the model config's, as the engines take"
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [151645, 151643]}))
     assert model_eos_ids(tmp_path) == [151643, 151645]
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 2}))
@@ -258,6 +260,25 @@ def test_an_episode_cut_short_is_scored_by_the_environment_and_ends_on_a_model_t
     out_of_turns = play(engine, CutShortEnv, max_turns=2)
     assert out_of_turns.reward == -0.5 and out_of_turns.turns == 2
     assert [mask for mask, _ in groupby(out_of_turns.loss_mask)] == [1, 0, 1], "no tool answer after the last turn"
+
+
+class AnswerEnv(CutShortEnv):
+    """Takes whatever the first turn says as the final answer, and pays 1 for it."""
+
+    def step(self, action: str) -> StepResult:
+        return StepResult("", 1.0, True, {})
+
+
+def test_a_turn_the_context_cuts_off_is_scored_as_an_episode_cut_short_not_as_an_answer(engine):
+    """A turn that fills the context ends without its stop token: its answer (or its tool call)
+    is unfinished, and was judged (or run) as if it were whole."""
+    model, _ = engine
+    room = 3
+    context = len(prompt_token_ids(load_tokenizer(model), "1 + 2 =")) + room + 1
+    cut = play(engine, AnswerEnv, max_turns=5, context_length=context)
+    assert (cut.reward, cut.finish_reason, cut.turns, len(cut.completion_ids)) == (-0.5, "length", 1, room)
+    whole = play(engine, AnswerEnv, max_turns=5)
+    assert whole.reward == 1.0, "a turn cut at max_new_tokens with room left is the environment's to judge"
 
 
 def test_the_calculator_charges_the_malformed_calls_of_an_episode_cut_short():
