@@ -12,7 +12,7 @@ active before are resumed after it.
 `ensure_unresponsive_run_automation` adds Prefect's answer to a flow run whose machine was lost
 (docs.prefect.io, "detect zombie flows"): the deployments' runs send a heartbeat event every
 `HEARTBEAT_SECONDS` (prefect.yaml sets PREFECT_FLOWS_HEARTBEAT_FREQUENCY in their environment),
-and an automation marks a run Crashed once `UNRESPONSIVE_SECONDS` (10 min) pass without one.
+and an automation marks a run Crashed once `UNRESPONSIVE_SECONDS` (11 min) pass without one.
 A process that dies on a live worker is reported Crashed by that worker at once; a lost worker
 reports nothing, and without the automation its generation runs stayed Running for good, holding their
 share of the lag window, so that the run hung. Crashed, the pipeline restarts them
@@ -40,11 +40,12 @@ from prefect.exceptions import ObjectNotFound
 DEPLOY_TIMEOUT_S = 300
 HEARTBEAT_SECONDS = 30
 """What prefect.yaml sets PREFECT_FLOWS_HEARTBEAT_FREQUENCY to: Prefect's minimum."""
-UNRESPONSIVE_SECONDS = 600
+UNRESPONSIVE_SECONDS = 660
 """A run whose last heartbeat is this old is marked Crashed. Far more than a few missed
 heartbeats, because the server evaluates the automation as it comes back from an outage, before
 the runs' clients resend the heartbeats they queued: a limit shorter than the outage crashed
-every run. So it is at least the outage a run rides out (flows/supervisor.py API_OUTAGE_SECONDS)."""
+every run. So it is the outage a run rides out (flows/supervisor.py API_OUTAGE_SECONDS, 600 s)
+and two heartbeats more: the last one before the outage may be a heartbeat older than its start."""
 UNRESPONSIVE_MESSAGE = "no heartbeat for {seconds:.0f} s: its machine or worker was lost"
 UNRESPONSIVE_AUTOMATION = "tandem: crash unresponsive runs"
 RUN_TAG = "tandem"
