@@ -94,6 +94,21 @@ def test_the_sync_after_one_that_timed_out_on_a_slow_engine_moves_and_continues_
         assert engine_state(fleet.urls[0]) == ("2", False)
 
 
+def test_a_load_that_outlasted_its_sync_is_not_loaded_again_once_the_engine_serves_it(tmp_path: Path):
+    """The engine goes on loading after the sync gave up on it, and ends serving the version:
+    reloaded, it was paused for a whole load each retry and timed out again, for good."""
+    models = [committed_model_dir(tmp_path / f"v{i}", seed=i) for i in range(2)]
+    slow = EngineConfig(backend="sim", sim=SimLatencyConfig(load_s_per_gb=1500), weight_load_timeout_s=1.0)
+    with EngineFleet(slow, 1, models[0], 0, tmp_path / "logs") as fleet:
+        assert [r.ok for r in fleet.update_weights(models[1], 1)] == [False]
+        deadline = time.monotonic() + 30
+        while engine_state(fleet.urls[0]) != ("1", False) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert engine_state(fleet.urls[0]) == ("1", False), "the load finished in the engine"
+        results = fleet.reload_behind()  # loading again would take its 3 s against the 1 s timeout, and fail
+        assert [(r.ok, r.weight_version) for r in results] == [(True, "1")] and fleet.engine_versions == [1]
+
+
 def test_an_engine_gets_its_own_api_key_or_none_never_the_shells(tmp_path: Path, monkeypatch):
     """A shell set up for `tandem engine serve` has TANDEM_ENGINE_API_KEY: a fleet's engine that
     inherited it refused every request of its fleet, which sends none, with 401."""

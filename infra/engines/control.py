@@ -50,7 +50,7 @@ class EngineControl(EngineClient):
 
     async def update_weights(
         self, model_path: str, weight_version: str, timeout: float = 120.0, pause_mode: str = "retract",
-        only: Collection[str] | None = None,
+        only: Collection[str] | None = None, unless_serving: bool = False,
     ) -> list[WeightSyncResult]:  # fmt: skip
         """Pause, load and continue every engine (or those whose URL is in `only`) concurrently,
         each within `timeout` s.
@@ -61,11 +61,19 @@ class EngineControl(EngineClient):
         one restarted on its port, or one that a sync gave up on and that runs again, would
         otherwise miss this version; one that does not answer is reported failed. Every engine
         is held (see `Endpoint.held`) until all are done; then the probe may continue one that
-        this sync left paused."""
+        this sync left paused.
+
+        `unless_serving` (a retry of a load that failed): an engine whose /model_info reports
+        `weight_version` already is left alone, reported ok. A load that outlasted its sync's
+        timeout goes on in the engine and ends serving the version: loaded again, it was paused
+        for a whole load each retry, and timed out again, for good."""
 
         async def one(endpoint: Endpoint) -> WeightSyncResult:
             if not endpoint.healthy and not await self._answers(endpoint.url, "/model_info"):
                 return WeightSyncResult(endpoint.url, False, endpoint.weight_version, "skipped: out of rotation, not answering")
+            if unless_serving and await self._weight_version(endpoint.url) == weight_version:
+                endpoint.weight_version = weight_version
+                return WeightSyncResult(endpoint.url, True, weight_version, "serving it already: an earlier load finished late")
             return await self._update_one(endpoint, model_path, weight_version, timeout, pause_mode)
 
         endpoints = [e for e in self.endpoints if only is None or e.url in only]

@@ -132,12 +132,14 @@ class EngineFleet:
     def reload_behind(self, timeout: float | None = None) -> list[WeightSyncResult]:
         """Load the fleet's version into every engine that failed to load it (hung through the
         sync, out of memory for a moment): it serves older weights meanwhile, whose groups the lag
-        bound may soon drop. The others are left alone. [] when none is behind."""
+        bound may soon drop. The others are left alone, and so is one that reports the version
+        now (its load outlasted the sync's timeout). [] when none is behind."""
         behind = [url for url, version in zip(self.urls, self.engine_versions, strict=True) if version != self.version]
         if not behind:
             return []
         timeout = timeout or self.engine.weight_load_timeout_s
-        results = self._run(lambda client: client.update_weights(str(self.model_dir), str(self.version), timeout, only=behind))
+        results = self._run(lambda client: client.update_weights(str(self.model_dir), str(self.version), timeout, only=behind,
+                                                                 unless_serving=True))  # fmt: skip
         self._record(results)
         return results
 
