@@ -54,6 +54,9 @@ MAX_ABORTS_PER_SLOT = 3
 """Tries of a group aborted while training goes on before its generator gives the slot up."""
 REJECTION_RECHECK_SECONDS = 5.0
 """How often a generator looks whether a snapshot it rejected has been committed again."""
+ENGINE_RESTART_MARGIN_SECONDS = 60.0
+"""A request's wait for an engine beyond the engines' restart time: the generator notices the
+death at its next loop turn, and the client's probe the restarted engine within a second."""
 
 
 @dataclass(frozen=True)
@@ -77,6 +80,10 @@ class GroupSpec:
     context_length: int = 64
     api_key: str | None = None
     request_timeout: float = 120.0
+    retry_seconds: float = 60.0
+    """How long a request waits for an engine to answer again: the engines' restart and more, so
+    that a crashed engine (the only one, by default) fails no group while the generator starts it
+    again. Shorter, a chunk's groups and its retries were spent within it and the run stopped."""
     hand_off_stragglers: bool = True
 
 
@@ -174,12 +181,12 @@ def _worker_loop() -> asyncio.AbstractEventLoop:
 
 async def _engine_client(spec: GroupSpec) -> EngineClient:
     """The worker's client for `spec`'s engines (made on the worker loop, kept for later groups)."""
-    key = (spec.engine_urls, spec.api_key, spec.request_timeout, spec.hand_off_stragglers)
+    key = (spec.engine_urls, spec.api_key, spec.request_timeout, spec.retry_seconds, spec.hand_off_stragglers)
     client = _CLIENTS.get(key)
     if client is None:
         client = _CLIENTS[key] = EngineClient(
             list(spec.engine_urls), api_key=spec.api_key, request_timeout=spec.request_timeout,
-            hand_off_stragglers=spec.hand_off_stragglers,
+            retry_seconds=spec.retry_seconds, hand_off_stragglers=spec.hand_off_stragglers,
         )  # fmt: skip
         await client.__aenter__()
     return client
@@ -393,7 +400,8 @@ class Generator:
             storage=cfg.storage, env_entrypoint=cfg.env.entrypoint, env_kwargs=dict(cfg.env.kwargs),
             max_turns=cfg.env.max_turns, samples=gen.samples_per_prompt, sampling=sampling,
             context_length=cfg.model.max_position_embeddings, api_key=self.fleet.api_key,
-            request_timeout=cfg.engine.request_timeout_s, hand_off_stragglers=gen.hand_off_stragglers,
+            request_timeout=cfg.engine.request_timeout_s, retry_seconds=self.fleet.restart_seconds + ENGINE_RESTART_MARGIN_SECONDS,
+            hand_off_stragglers=gen.hand_off_stragglers,
         )  # fmt: skip
 
 

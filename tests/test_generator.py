@@ -53,6 +53,14 @@ def test_a_group_left_alone_commits_its_shard(generator):
     assert list_shards(store) == [result.key]
 
 
+def test_a_group_s_requests_wait_for_an_engine_as_long_as_its_restart_may_take(generator):
+    """One engine (the default) that crashes: its requests wait while the generator starts it
+    again. With the client's 60 s, a chunk and its two retries failed within an SGLang restart
+    (up to 15 min) and the run stopped."""
+    gen, _ = generator
+    assert gen.spec(0).retry_seconds >= gen.fleet.restart_seconds == gen.fleet.processes[0].start_timeout
+
+
 def engine_info(gen: Generator) -> dict:
     return httpx.get(gen.fleet.urls[0] + "/server_info", timeout=10).json()
 

@@ -65,6 +65,11 @@ class EngineFleet:
         return [p.url for p in self.processes]
 
     @property
+    def restart_seconds(self) -> float:
+        """The longest an engine's restart may take (its backend's start timeout: minutes for SGLang)."""
+        return max(process.start_timeout for process in self.processes)
+
+    @property
     def api_key(self) -> str | None:
         return self.engine.api_key.get_secret_value() if self.engine.api_key else None
 
