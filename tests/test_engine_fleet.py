@@ -131,3 +131,34 @@ def test_a_cpu_engine_bound_to_every_interface_is_reached_on_loopback(host: str,
     from infra.engines.process import cpu_engine_process
 
     assert cpu_engine_process(tmp_path, 7, tmp_path / "e.log", host=host).url == url
+
+
+def test_an_engine_that_does_not_start_again_is_tried_later_while_the_others_serve(tmp_path: Path, monkeypatch):
+    """Its start error ended the run, however many engines were up; and an engine that died at
+    once after each start was started again at every turn of the generator's loop."""
+    import infra.engines.fleet as fleet_module
+    from infra.engines.process import EngineStartError
+
+    model = committed_model_dir(tmp_path / "v0", seed=0)
+    with EngineFleet(EngineConfig(backend="sim"), 2, model, 0, tmp_path / "logs") as fleet:
+        healthy = fleet.processes[1]
+        fleet.processes[0].kill()
+        fleet.processes[0].process.wait(timeout=10)
+        monkeypatch.setattr(fleet_module, "RESTART_BACKOFF_SECONDS", 1.0)
+        start = fleet._process
+
+        def fails_to_start(timeout=None):
+            raise EngineStartError("CUDA error: device faulted")
+
+        def faulted_gpu(port: int):
+            process = start(port)
+            process.start = fails_to_start
+            return process
+
+        monkeypatch.setattr(fleet, "_process", faulted_gpu)
+        assert fleet.restart_dead() == [] and fleet.restarts == 0, "no exception: the other engine serves"
+        assert fleet.restart_dead() == [], "not tried again at once"
+        monkeypatch.setattr(fleet, "_process", start)
+        time.sleep(1.1)
+        assert fleet.restart_dead() == [fleet.urls[0]] and fleet.restarts == 1
+        assert fleet.processes[1] is healthy and all(p.is_healthy() for p in fleet.processes)

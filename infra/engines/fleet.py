@@ -23,6 +23,7 @@ the portal's thread runs until `stop`.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from contextlib import ExitStack
 from pathlib import Path
@@ -32,11 +33,15 @@ from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from configs.schema import EngineConfig
 from infra.engines.control import EngineControl, WeightSyncResult
-from infra.engines.process import EngineProcess, cpu_engine_process
+from infra.engines.process import EngineProcess, EngineStartError, cpu_engine_process
 from infra.ports import free_port_block
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+RESTART_BACKOFF_SECONDS = 10.0
+"""The wait before an engine that failed its restart is started again, doubled at each failure."""
+CRASH_LOOP_SECONDS = 60.0
+"""An engine that dies this soon after its start counts as a failed start."""
 
 
 class EngineFleet:
@@ -55,6 +60,9 @@ class EngineFleet:
         self.processes: list[EngineProcess] = [self._process(port) for port in self.ports]
         self.engine_versions = [version] * count
         """The version each engine serves: behind `version` after it failed that load."""
+        self._started_at = [float("-inf")] * count
+        self._restart_failures = [0] * count
+        self._restart_due = [float("-inf")] * count
         self.restarts = 0
         self._control = ExitStack()
         self._portal: BlockingPortal | None = None
@@ -103,13 +111,29 @@ class EngineFleet:
                 process.stop()
 
     def restart_dead(self, timeout: float | None = None) -> list[str]:
-        """Start again every engine whose process has exited, on the fleet's current weights."""
+        """Start again every engine whose process has exited, on the fleet's current weights;
+        returns the URLs started. One that does not start, or dies within `CRASH_LOOP_SECONDS`
+        of its start (a faulted GPU, an out-of-memory at its first batch), is tried again after
+        `RESTART_BACKOFF_SECONDS`, doubled at each such failure up to ten minutes: each start
+        holds the generator's loop for up to the backend's start timeout, and the other engines
+        serve meanwhile. Before, its start error ended the run however many engines were up."""
         restarted = []
         for i, process in enumerate(self.processes):
-            if not process.is_running():
-                log.warning("engine %s died (exit %s); restarting on v%d", process.url, process.process.returncode, self.version)
-                process.stop()  # what its group left running (SGLang's schedulers, on its GPUs)
+            now = time.monotonic()
+            if process.is_running() or now < self._restart_due[i]:
+                continue
+            failures = self._restart_failures[i] + (now - self._started_at[i] < CRASH_LOOP_SECONDS)
+            log.warning("engine %s died (exit %s); restarting on v%d", process.url, process.process.returncode, self.version)
+            process.stop()  # what its group left running (SGLang's schedulers, on its GPUs)
+            self._started_at[i] = time.monotonic()
+            try:
                 self.processes[i] = self._process(self.ports[i]).start(timeout)
+            except EngineStartError as err:
+                failures += 1
+                log.error("engine %s did not start again: %s", process.url, str(err)[:2000])
+            failures = self._restart_failures[i] = failures if failures > self._restart_failures[i] else 0
+            self._restart_due[i] = time.monotonic() + (min(600.0, RESTART_BACKOFF_SECONDS * 2 ** (failures - 1)) if failures else 0.0)
+            if self.processes[i] is not process:
                 self.engine_versions[i] = self.version
                 self.restarts += 1
                 restarted.append(process.url)
