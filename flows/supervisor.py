@@ -138,7 +138,7 @@ class Supervisor:
         self.waiting_since: dict[UUID, float] = {}
         """When each child run was first seen waiting to start."""
         self.warned_waiting: set[UUID] = set()
-        self.api_lost_at: float | None = None
+        self.outage_since: float | None = None
         """When the Prefect API stopped answering the watch loop; None while it answers."""
         self.pipeline = PipelineWatch(self.store, claim)
         """This pipeline's hold on the run (it holds the lease while the supervisor runs)."""
@@ -244,15 +244,15 @@ class Supervisor:
             if away is None:
                 raise
             now = time.monotonic()
-            if self.api_lost_at is None:
-                self.api_lost_at = now
+            if self.outage_since is None:
+                self.outage_since = now
                 self.log.warning("%s is unavailable (%r); the children keep running, watching again", away, err)
-            elif now - self.api_lost_at > API_OUTAGE_SECONDS:
-                raise ChildRunFailed(f"{away} has been unavailable for {now - self.api_lost_at:.0f} s: {err!r}") from err
+            elif now - self.outage_since > API_OUTAGE_SECONDS:
+                raise ChildRunFailed(f"{away} has been unavailable for {now - self.outage_since:.0f} s: {err!r}") from err
             return self.training_state
-        if self.api_lost_at is not None:
-            self.log.info("the Prefect API and the run's storage answer again after %.0f s", time.monotonic() - self.api_lost_at)
-            self.api_lost_at = None
+        if self.outage_since is not None:
+            self.log.info("the Prefect API and the run's storage answer again after %.0f s", time.monotonic() - self.outage_since)
+            self.outage_since = None
         self.training_state = state
         return state
 

@@ -48,7 +48,7 @@ class FlakyClient:
 def _supervisor(states) -> Supervisor:
     parent = Supervisor.__new__(Supervisor)
     parent.client, parent.log = FlakyClient(states), logging.getLogger("test")
-    parent.training, parent.training_state, parent.api_lost_at = SimpleNamespace(id=uuid4(), name="t"), Running(), None
+    parent.training, parent.training_state, parent.outage_since = SimpleNamespace(id=uuid4(), name="t"), Running(), None
     parent.pipeline = SimpleNamespace(gone=lambda now=False: None)  # it holds the run
     parent.restart_failed_generators = lambda: None
     parent.scale_to = lambda wanted: None
@@ -59,7 +59,7 @@ def _supervisor(states) -> Supervisor:
 def test_watch_looks_again_while_the_api_is_away_and_sees_training_finish():
     parent = _supervisor([Running(), httpx.ConnectError("refused"), _status_error(503), Completed()])
     assert [parent.watch().is_final() for _ in range(4)] == [False, False, False, True]
-    assert parent.api_lost_at is None, "an answer ends the outage"
+    assert parent.outage_since is None, "an answer ends the outage"
 
 
 def test_watch_rides_out_the_run_s_storage_being_away_as_the_children_do():
@@ -76,7 +76,7 @@ def test_watch_rides_out_the_run_s_storage_being_away_as_the_children_do():
 
     parent.scale_to = scale_to
     assert [parent.watch().is_final() for _ in range(3)] == [False, False, True]
-    assert parent.api_lost_at is None
+    assert parent.outage_since is None
 
 
 def test_watch_gives_up_after_a_long_outage_and_on_other_errors(monkeypatch):
