@@ -141,12 +141,19 @@ def _short_repr(value: Any) -> str:
     return shortener.repr(value)
 
 
-def _allowed_keys(model: type[BaseModel], loc: list[str]) -> list[str]:
-    """The field names valid at `loc` inside `model`, for the unknown-key message."""
-    for key in loc:
+def section_model(model: type[BaseModel], path: list[str]) -> type[BaseModel] | None:
+    """The model of the section at `path` inside `model` (["training"] -> TrainingConfig); None
+    where a step of the path is not a field holding a section."""
+    for key in path:
         field = model.model_fields.get(key)
         annotation = field.annotation if field else None
         if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
-            return []
+            return None
         model = annotation
-    return sorted(model.model_fields)
+    return model
+
+
+def _allowed_keys(model: type[BaseModel], loc: list[str]) -> list[str]:
+    """The field names valid at `loc` inside `model`, for the unknown-key message."""
+    section = section_model(model, loc)
+    return sorted(section.model_fields) if section else []

@@ -17,10 +17,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel
 from pydantic_core import to_jsonable_python
 
-from configs.loader import ConfigError, apply_override, validate_config
+from configs.loader import ConfigError, apply_override, section_model, validate_config
 from configs.fields import MASKED_SECRET, is_run_id
 from configs.schema import PRETRAINED_TRAINING_DEFAULTS, RunConfig
 from infra.modelfactory import given_model_dir, load_tokenizer, load_trainable_model, prepare_initial_model
@@ -276,13 +275,8 @@ def _changed_fields(old: dict, new: dict, prefix: str = "") -> list[str]:
 
 def _default_of(field: str) -> Any:
     """The JSON form of RunConfig's default for `field` ("training.lr"); None for a field it lacks."""
-    model: type[BaseModel] = RunConfig
     *sections, name = field.split(".")
-    for section in sections:
-        annotation = model.model_fields[section].annotation if section in model.model_fields else None
-        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
-            return None
-        model = annotation
-    if name not in model.model_fields:
+    model = section_model(RunConfig, sections)
+    if model is None or name not in model.model_fields:
         return None
     return to_jsonable_python(model.model_fields[name].get_default(call_default_factory=True))
