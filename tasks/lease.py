@@ -1,4 +1,4 @@
-"""One pipeline at a time per run directory: the pipeline's lease on `{run}/lease.json`.
+"""One pipeline at a time per run directory: the pipeline's lease, under `{run}/lease/`.
 
 Two pipelines on one run id (a resubmission while the run still trains, a retrain beside the
 nightly one, two `prefect deployment run` without a run id) would run two trainers and two
@@ -8,19 +8,22 @@ shards or snapshots can tell the two apart afterwards, so the second pipeline is
 start instead (`RunInUse`, naming the first).
 
 The lease is a small record (holder, claim id, where, pid, time) that the holder renews every
-third of `LEASE_SECONDS` from a thread of its own and deletes when it ends. A holder that died without
-deleting it (SIGKILL, a lost machine) is taken over once its record is `LEASE_SECONDS` old, or
+third of `LEASE_SECONDS` from a thread of its own and releases when it ends. A holder that died without
+releasing it (SIGKILL, a lost machine) is taken over once its record is `LEASE_SECONDS` old, or
 at once by a claimant in the same pid namespace of the same boot that finds the holder's process
 gone (the usual case of a `tandem run` stopped with Ctrl-C and started again; containers that
 share a host name have pid namespaces of their own, so the host name alone would not do).
 
-The first claim is a put-if-absent, so two pipelines starting together cannot both take a free
-run. Object storage has no compare-and-swap for the takeover of a lapsed lease, so a claimant
-writes its record, waits `SETTLE_SECONDS` and reads it back: of two that took over together, the
-one whose record was overwritten gives way. A holder whose renewal finds another holder's record
-(it stalled for longer than the lease) stops renewing and logs it, rather than taking the run
-back from the pipeline that now trains it. Times are compared across hosts, which must agree on
-the clock to within a few seconds, as NTP keeps them.
+Each claim opens a term: the put-if-absent of the next term's record, `lease/{term:08d}.json`,
+and the highest term is the lease. Two pipelines claiming one free or lapsed lease together both
+ask for the same next term, and only one gets it, however slow the store is to answer (object
+storage has no compare-and-swap to take over one record in place, and a write-then-read-back
+would let a write that lands late decide). A holder renews only its own term's record, so a
+renewal that lands after a successor's claim (a holder stalled past its lease) cannot overwrite
+the successor's, and a holder that sees a later term stops renewing and logs it rather than
+take the run back. Releasing marks the holder's term released; it is never deleted, so terms
+only grow, and a claim deletes the terms below its own. Times are compared across hosts, which
+must agree on the clock to within a few seconds, as NTP keeps them.
 
 The lease is also how a pipeline's children know it is still there (`PipelineWatch`): each claim
 has an id, which the pipeline passes to its training and generation runs, and they stop once the
@@ -43,12 +46,15 @@ from infra.storage import RunStore
 
 log = logging.getLogger(__name__)
 
-LEASE_KEY = "lease.json"
-SETTLE_SECONDS = 1.0
-"""How long a takeover waits before it reads its record back: longer than one write takes."""
+LEASE_PREFIX = "lease"
+"""Where the lease's terms are: one record a claim, `lease/{term:08d}.json`; the highest is the lease."""
 LEASE_SECONDS = 60.0
 """How long a lease outlives its holder's last renewal: a pipeline that died without releasing
 it keeps its run for at most this long (less on its own host, where a dead pid is seen at once)."""
+CLAIM_ATTEMPTS = 5
+"""How many terms a claimant tries before it gives up: each it loses went to another claimant,
+which then holds the run unless it let it go at once."""
+_FIELDS = {"holder", "where", "pid", "at"}
 
 
 WATCH_SECONDS = LEASE_SECONDS / 6
@@ -64,22 +70,27 @@ class RunInUse(RuntimeError):
     """Another pipeline holds the run directory."""
 
 
+def lease_key(term: int) -> str:
+    """The record of the lease's `term`."""
+    return f"{LEASE_PREFIX}/{term:08d}.json"
+
+
 @contextmanager
 def hold_run(store: RunStore, holder: str) -> Iterator[str]:
     """Hold `store`'s run for the body, which gets the claim's id (for the children to watch it:
     `PipelineWatch`); RunInUse if another live pipeline holds it."""
-    claim = claim_run(store, holder)
+    term, claim = _take(store, holder)
     stop = threading.Event()
 
     def renew() -> None:
         while not stop.wait(LEASE_SECONDS / 3):
             try:
-                current = read_lease(store)
-                if current is not None and current.get("claim") != claim:
+                terms, current = _read_terms(store)
+                if terms and terms[-1] > term:
                     log.error("lost the lease of %s to pipeline %s (this one stalled past %.0f s): no longer renewing it",
-                              store.url, current["holder"], LEASE_SECONDS)  # fmt: skip
+                              store.url, (current or {}).get("holder", "(released since)"), LEASE_SECONDS)  # fmt: skip
                     return
-                store.write_atomic(LEASE_KEY, _record(holder, claim))
+                store.write_atomic(lease_key(term), _record(holder, claim))
             except Exception as err:  # storage trouble: the next renewal tries again, well within the lease
                 log.warning("could not renew the lease of %s: %r", store.url, err)
 
@@ -91,29 +102,46 @@ def hold_run(store: RunStore, holder: str) -> Iterator[str]:
         stop.set()
         renewer.join()
         try:
-            if (read_lease(store) or {}).get("claim") == claim:
-                store.delete(LEASE_KEY)
+            terms, _ = _read_terms(store)
+            if terms and terms[-1] == term:  # a later term is a successor's: its lease is not ours to release
+                store.write_atomic(lease_key(term), json.dumps({"holder": holder, "claim": claim, "released": time.time()}).encode())
         except Exception as err:  # the body's own outcome matters more; the lease lapses anyway
             log.warning("could not release the lease of %s (it lapses in %.0f s): %r", store.url, LEASE_SECONDS, err)
 
 
 def claim_run(store: RunStore, holder: str) -> str:
-    """Take the lease for `holder` (a new claim, or its own again, or a lapsed one) and return
+    """Take the lease for `holder` (a free run, its own claim again, or a lapsed one) and return
     the claim's id; RunInUse naming the holder otherwise. Every claim has an id of its own: a
     retried flow run has the holder's name of the attempt it replaces, not its children."""
+    return _take(store, holder)[1]
+
+
+def _take(store: RunStore, holder: str) -> tuple[int, str]:
+    """Claim the term after the highest for `holder`: (term, claim id)."""
     claim = uuid.uuid4().hex
-    if store.put_if_absent(LEASE_KEY, _record(holder, claim)):
-        return claim
-    check_run_free(store, holder)
-    store.write_atomic(LEASE_KEY, _record(holder, claim))
-    time.sleep(SETTLE_SECONDS)
-    check_run_free(store, holder)  # another claimant's takeover overwrote this one
-    return claim
+    for _ in range(CLAIM_ATTEMPTS):
+        terms, lease = _read_terms(store)
+        _refuse_if_held(store, lease, holder)
+        term = (terms[-1] if terms else 0) + 1
+        if not store.put_if_absent(lease_key(term), _record(holder, claim)):
+            if (read_lease(store) or {}).get("claim") != claim:  # another claimant's term (else a retried put of ours)
+                continue
+        for old in terms:
+            try:
+                store.delete(lease_key(old))
+            except Exception as err:  # a term left behind is below the lease: it decides nothing
+                log.warning("could not delete the lease's term %d of %s: %r", old, store.url, err)
+        return term, claim
+    _refuse_if_held(store, read_lease(store), holder)
+    raise RunInUse(f"run {store.url}: {CLAIM_ATTEMPTS} claims of its lease in a row went to other pipelines; try again")
 
 
 def check_run_free(store: RunStore, holder: str | None = None) -> None:
     """RunInUse unless the run's lease is free, lapsed, or `holder`'s own."""
-    lease = read_lease(store)
+    _refuse_if_held(store, read_lease(store), holder)
+
+
+def _refuse_if_held(store: RunStore, lease: dict | None, holder: str | None) -> None:
     if lease is None or lease.get("holder") == holder or not _alive(lease):
         return
     age = max(0.0, time.time() - float(lease["at"]))
@@ -125,12 +153,24 @@ def check_run_free(store: RunStore, holder: str | None = None) -> None:
 
 
 def read_lease(store: RunStore) -> dict | None:
-    """The lease's record; None if there is none (or what is there is not one of ours)."""
+    """The lease's record, its term under "term"; None if the run was never held or its holder
+    released it (or what is there is not one of ours)."""
+    return _read_terms(store)[1]
+
+
+def _read_terms(store: RunStore) -> tuple[list[int], dict | None]:
+    """The lease's terms, lowest first, and the highest one's record (as `read_lease`)."""
+    terms = sorted(int(name[:-5]) for name in (key.rsplit("/", 1)[-1] for key in store.list(LEASE_PREFIX))
+                   if name.endswith(".json") and name[:-5].isdigit())  # fmt: skip
+    if not terms:
+        return terms, None
     try:
-        lease = json.loads(store.read_bytes(LEASE_KEY))
+        lease = json.loads(store.read_bytes(lease_key(terms[-1])))
     except (FileNotFoundError, ValueError):
-        return None
-    return lease if isinstance(lease, dict) and {"holder", "where", "pid", "at"} <= lease.keys() else None
+        return terms, None
+    if not (isinstance(lease, dict) and _FIELDS <= lease.keys()) or "released" in lease:
+        return terms, None
+    return terms, lease | {"term": terms[-1]}
 
 
 class PipelineWatch:
@@ -141,7 +181,7 @@ class PipelineWatch:
     the trainer would then wait for data and the generators hold their GPUs for good, and a
     resubmitted pipeline would run beside them. The pipeline passes its children its claim's id
     (`hold_run`), and the lease says whether that claim still holds the run: it is gone once the
-    record is missing or another claim's (`successor` then names its holder: the child must
+    lease is released (or was never taken) or another claim's (`successor` then names its holder: the child must
     leave the run's shared state to it), once its process is gone (same host, boot and pid
     namespace), or once it has not been renewed for `STALE_SECONDS` of successful reads by the
     child's own clock. The child times the renewals it sees rather than compare the record's time

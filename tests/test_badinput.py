@@ -281,7 +281,7 @@ CLI_CASES = [
         ("run 'base' at file://{tmp}/runs/base was started with a different config", "training.lr")),
     Case("run of a run another pipeline holds", "cli",
          Cli(("run", str(TINY_CONFIG), *INTO_TMP, "--run-id", "held"),
-             {"runs/held/lease.json": json.dumps({"holder": "other (x)", "where": process_namespace(), "pid": 1,
+             {"runs/held/lease/00000001.json": json.dumps({"holder": "other (x)", "where": process_namespace(), "pid": 1,
                                                   "at": 4102444800}).encode()}),  # pid 1 lives; renewed "in 2100"
          1, "run file://{tmp}/runs/held is in use by pipeline other (x)"),
     Case("run with its storage down", "cli",

@@ -13,7 +13,7 @@ import pytest
 
 from infra.storage import RunStore
 from tasks import lease
-from tasks.lease import LEASE_KEY, PipelineWatch, RunInUse, check_run_free, claim_run, hold_run, process_namespace, read_lease
+from tasks.lease import PipelineWatch, RunInUse, check_run_free, claim_run, hold_run, lease_key, process_namespace, read_lease
 
 
 def test_a_second_pipeline_is_refused_while_the_first_holds_the_run(store: RunStore):
@@ -41,9 +41,27 @@ def test_the_lease_is_renewed_while_held(store: RunStore, monkeypatch):
             check_run_free(store)
 
 
-def _write_lease(store: RunStore, **fields) -> None:
+def _write_lease(store: RunStore, renewal: bool = False, **fields) -> None:
+    """Another pipeline's claim of the run (the term after the highest), or its `renewal`."""
+    terms = [int(key[-len("00000000.json") : -len(".json")]) for key in store.list("lease")]
+    term = max(terms, default=0) + (0 if renewal else 1)
     record = {"holder": "dead (0)", "where": ["elsewhere", "", ""], "pid": 1, "at": time.time()} | fields
-    store.write_atomic(LEASE_KEY, json.dumps(record).encode())
+    store.write_atomic(lease_key(term), json.dumps(record).encode())
+
+
+def _release(store: RunStore) -> None:
+    """What the holder's end does to its term."""
+    lease = read_lease(store)
+    store.write_atomic(lease_key(lease["term"]), json.dumps({"holder": lease["holder"], "released": time.time()}).encode())
+
+
+def _slowed(store: RunStore, seconds: float, writes: tuple[str, ...] = ("write_atomic", "put_if_absent")) -> RunStore:
+    """Another client of `store`'s run whose `writes` land `seconds` after they are made."""
+    slow = RunStore(store.fs, store.base, store.url, store.retry_seconds)
+    for name in writes:
+        write = getattr(slow, name)
+        setattr(slow, name, lambda *args, _write=write, **kwargs: (time.sleep(seconds), _write(*args, **kwargs))[1])
+    return slow
 
 
 def test_a_lapsed_lease_of_another_host_is_taken_over(store: RunStore):
@@ -92,6 +110,41 @@ def test_of_two_pipelines_taking_over_a_lapsed_lease_together_one_wins(store: Ru
     assert outcomes[read_lease(store)["holder"]] == "won"
 
 
+@pytest.mark.parametrize("slowed", [("write_atomic",), ("put_if_absent",)])
+def test_a_takeover_whose_write_lands_late_does_not_make_two_holders(store: RunStore, slowed):
+    """Two pipelines take over one lapsed lease, one's writes slower than the other's whole
+    claim: a claim that decided by reading its write back a second later let both win."""
+    _write_lease(store, at=time.time() - lease.LEASE_SECONDS - 1)
+    outcomes: dict[str, str] = {}
+
+    def claim(client: RunStore, holder: str) -> None:
+        try:
+            claim_run(client, holder)
+            outcomes[holder] = "won"
+        except RunInUse:
+            outcomes[holder] = "refused"
+
+    slow = threading.Thread(target=claim, args=(_slowed(store, 1.5, slowed), "slow (1)"))
+    slow.start()
+    time.sleep(0.2)
+    claim(store, "fast (2)")
+    slow.join()
+    assert sorted(outcomes.values()) == ["refused", "won"], outcomes
+    assert outcomes[read_lease(store)["holder"]] == "won"
+
+
+def test_a_renewal_that_lands_after_a_takeover_does_not_take_the_run_back(store: RunStore, monkeypatch):
+    """The holder stalled past its lease with a renewal on its way: the renewal lands after
+    another pipeline took the run over, and must not overwrite that pipeline's claim."""
+    monkeypatch.setattr(lease, "LEASE_SECONDS", 1.5)
+    with hold_run(_slowed(store, 2.0, ("write_atomic",)), "stalled (1)"):  # its first renewal: made at 0.5 s, lands at 2.5 s
+        time.sleep(1.7)  # its claim is 1.7 s old: lapsed
+        successor = claim_run(store, "successor (2)")
+        time.sleep(1.5)
+        assert read_lease(store)["claim"] == successor, "the late renewal landed on the successor's claim"
+    assert read_lease(store)["claim"] == successor, "the stalled holder's end leaves the run to its successor"
+
+
 def test_a_holder_that_lost_its_lease_does_not_take_it_back(store: RunStore, monkeypatch):
     """It stalled past the lease and another pipeline took the run over: renewing would hand the
     run to both, and releasing at its end would free it under the other."""
@@ -109,17 +162,17 @@ def test_a_child_sees_its_pipeline_go(store: RunStore, monkeypatch):
     monkeypatch.setattr(lease, "STALE_SECONDS", 1.0)
     assert PipelineWatch(store, None, interval=0).gone() is None, "given no claim: no pipeline to outlive"
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    ended = [("released", lambda: store.delete(LEASE_KEY), "no longer holds"),
+    ended = [("released", lambda: _release(store), "no longer holds"),
              ("taken over", lambda: _write_lease(store, holder="q (2)", claim="c2"), "pipeline q (2) has taken"),
              ("retried", lambda: _write_lease(store, holder="p (1)", claim="c3"), "pipeline p (1) has taken"),
              ("not renewed", lambda: time.sleep(1.2), "p (1) has not renewed its lease"),
-             ("process gone here", lambda: _write_lease(store, holder="p (1)", claim="c1", where=process_namespace(), pid=int(gone.stdout)),
+             ("process gone here", lambda: _write_lease(store, True, holder="p (1)", claim="c1", where=process_namespace(), pid=int(gone.stdout)),
               "p (1)'s process")]  # fmt: skip
     for case, end, said in ended:
         _write_lease(store, holder="p (1)", claim="c1", at=123.0)  # a clock far off: the child times renewals itself
         watch = PipelineWatch(store, "c1", interval=0)
         assert watch.gone() is None, case
-        _write_lease(store, holder="p (1)", claim="c1", at=124.0)  # a renewal
+        _write_lease(store, True, holder="p (1)", claim="c1", at=124.0)  # a renewal
         assert watch.gone() is None, case
         end()
         assert said in (watch.gone() or ""), case
@@ -149,7 +202,7 @@ def test_a_child_reads_the_lease_once_an_interval_unless_told_to_now(store: RunS
     _write_lease(store, holder="p (1)", claim="c1")
     watch = PipelineWatch(store, "c1", interval=3600)
     assert watch.gone() is None
-    store.delete(LEASE_KEY)
+    _release(store)
     assert watch.gone() is None
     assert "no longer holds" in watch.gone(now=True)
 

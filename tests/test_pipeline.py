@@ -20,7 +20,7 @@ from configs.schema import StorageConfig
 from flows.pipeline import INTERRUPT_GRACE_SECONDS, score_snapshot
 from infra.prefect_server import descendants
 from infra.storage import open_run_store
-from tasks.lease import check_run_free
+from tasks.lease import check_run_free, read_lease
 from tasks.snapshots import publish_snapshot_dir, withdraw_after
 from tasks.rundir import load_run_config
 from tasks.envs import Environment, Prompt, Segment, StepResult
@@ -109,7 +109,7 @@ def test_run_directory_holds_shards_snapshots_checkpoints_and_metrics(finished_r
     assert all(r["lag_max"] <= 1 for r in steps)
     assert steps[0]["kl"] < 1e-6 < steps[-1]["kl"], "the KL term measures the policy against v0"
     assert not list((finished_run / "weights" / "pins").glob("*.json")), "a finished run holds no snapshot"
-    assert not (finished_run / "lease.json").exists(), "a finished pipeline releases its run"
+    assert read_lease(open_run_store(StorageConfig(root=f"file://{finished_run.parent}"), finished_run.name)) is None, "a finished pipeline releases its run"
     evaluations = records(finished_run, "evaluation")
     assert [e["version"] for e in evaluations] == [0, 3]
 
@@ -208,7 +208,7 @@ def test_an_interrupted_run_stops_its_children_and_exits(tmp_path: Path, whom: s
         while not (trainer_state.exists() and json.loads(trainer_state.read_text())["version"] >= 2):
             assert run.poll() is None and time.monotonic() < deadline, (tmp_path / "run.log").read_text()[-3000:]
             time.sleep(0.5)
-        assert json.loads((tmp_path / "interrupted" / "lease.json").read_text())["pid"] == run.pid, "the run holds its lease"
+        assert read_lease(open_run_store(StorageConfig(root=f"file://{tmp_path}"), "interrupted"))["pid"] == run.pid, "the run holds its lease"
         interrupted = time.monotonic()
         os.killpg(run.pid, signum) if whom == "process group" else run.send_signal(signum)
         if whom == "process, twice":

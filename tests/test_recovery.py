@@ -21,7 +21,7 @@ from flows.generation import generation
 from flows.training import GenerationStopped, training
 from infra.manifest import ManifestError
 from tasks.lag import read_trainer_state, reopen_run
-from tasks.lease import LEASE_KEY
+from tasks.lease import lease_key
 from tasks.shards import list_shards
 from tasks.rundir import initialize_run
 from tests.test_pipeline import ROOT, CopyEnv
@@ -84,8 +84,8 @@ def test_a_trainer_and_a_generator_whose_pipeline_is_gone_stop_by_themselves(tmp
         """The pipeline's renewals (a record that was never renewed would lapse instead), until
         `done`; then what its end does: it releases the run."""
         while not done.wait(0.5):
-            store.write_atomic(LEASE_KEY, json.dumps({"holder": "gone (1)", "claim": "c1", "where": ["elsewhere", "", ""], "pid": 1, "at": time.time()}).encode())
-        store.delete(LEASE_KEY)
+            store.write_atomic(lease_key(1), json.dumps({"holder": "gone (1)", "claim": "c1", "where": ["elsewhere", "", ""], "pid": 1, "at": time.time()}).encode())
+        store.delete(lease_key(1))
 
     with prefect_test_harness():
         ended = threading.Event()
@@ -172,7 +172,7 @@ def test_a_retiring_generator_makes_again_a_group_aborted_in_a_chunk_still_in_fl
 
     def pipeline_holds_the_run() -> None:
         while not done.wait(0.5):
-            store.write_atomic(LEASE_KEY, json.dumps({"holder": "test (1)", "claim": "c1", "where": ["elsewhere", "", ""], "pid": 1, "at": time.time()}).encode())
+            store.write_atomic(lease_key(1), json.dumps({"holder": "test (1)", "claim": "c1", "where": ["elsewhere", "", ""], "pid": 1, "at": time.time()}).encode())
 
     with prefect_test_harness():
         threading.Thread(target=pipeline_holds_the_run, daemon=True).start()

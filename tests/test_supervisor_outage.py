@@ -18,7 +18,7 @@ import flows.supervisor as supervisor
 from flows.supervisor import ChildRunFailed, Supervisor
 from flows.ui import api_unavailable, best_effort
 from tasks.lag import stop_reason
-from tasks.lease import LEASE_KEY, PipelineWatch
+from tasks.lease import PipelineWatch, lease_key
 
 
 def _status_error(code: int) -> httpx.HTTPStatusError:
@@ -108,9 +108,9 @@ class AwayClient(FlakyClient):
         raise httpx.ConnectError("refused")
 
 
-def _hold(store, holder: str, claim: str) -> None:
+def _hold(store, holder: str, claim: str, term: int) -> None:
     record = {"holder": holder, "claim": claim, "where": ["elsewhere", "", ""], "pid": 1, "at": time.time()}
-    store.write_atomic(LEASE_KEY, json.dumps(record).encode())
+    store.write_atomic(lease_key(term), json.dumps(record).encode())
 
 
 @pytest.mark.parametrize("taken_over", [False, True])
@@ -120,7 +120,7 @@ def test_a_parent_that_gives_up_with_the_api_away_stops_its_children_through_sto
     another pipeline has taken the run over (the stop would then be that pipeline's trainer's)."""
     monkeypatch.setattr(supervisor, "API_OUTAGE_SECONDS", 0.0)
     monkeypatch.setattr(supervisor, "CANCEL_WAIT_SECONDS", 0.0)
-    _hold(file_store, "this (1)", "c1")
+    _hold(file_store, "this (1)", "c1", 1)
     parent = _supervisor([])
     parent.client = AwayClient([httpx.ConnectError("refused")] * 20)
     parent.config = SimpleNamespace(prefect=SimpleNamespace(generators=0, watch_seconds=0.01), run_id="r")
@@ -128,7 +128,7 @@ def test_a_parent_that_gives_up_with_the_api_away_stops_its_children_through_sto
     parent.target, parent.start = 0, lambda flow_name, **_: SimpleNamespace(id=uuid4(), name=flow_name, state=Running())
     monkeypatch.setattr(supervisor, "clear_scale_request", lambda run_id: None)
     if taken_over:
-        _hold(file_store, "successor (2)", "c2")
+        _hold(file_store, "successor (2)", "c2", 2)
     with pytest.raises(ChildRunFailed, match="unavailable" if not taken_over else "no longer holds the run"):
         parent.run()
     assert (stop_reason(file_store) is None) == taken_over
