@@ -20,7 +20,8 @@ It stops when the trainer's published state says done, or when the pipeline that
 longer holds the run (tasks/lease.py `PipelineWatch`: a dead or failed deployed parent), and then
 aborts the engines' requests: the groups in flight would never be trained. Asked to retire (a
 scale-down), it claims nothing more and finishes the chunks it has in flight, so that every slot
-it claimed is committed.
+it claimed is committed. On its way out every Dask worker closes its clients of the run's
+engines (`worker_state_released`): the workers of a cluster at dask.address outlive the run.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ import os
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,8 +47,10 @@ from prefect_dask import DaskTaskRunner
 from configs.schema import RunConfig
 from infra.engines.fleet import EngineFleet
 from infra.scratch import scratch_dir
-from infra.storage import open_run_store
-from tasks.generator import GroupResult, GroupSpec, Generator, SnapshotRejected, generate_group, snapshot_dir_for_engines
+from infra.storage import RunStore, open_run_store
+from tasks.generator import (
+    GroupResult, GroupSpec, Generator, SnapshotRejected, generate_group, release_worker_state, snapshot_dir_for_engines,
+)  # fmt: skip
 from tasks.lag import (
     IN_FLIGHT_TTL_SECONDS, live_producers, publish_in_flight, read_trainer_state, recheck_after_restart, report_late, retire_requested,
     withdraw_in_flight,
@@ -121,6 +125,20 @@ def dask_task_runner(config: RunConfig) -> DaskTaskRunner:
     )  # fmt: skip
 
 
+@contextmanager
+def worker_state_released(dask: DaskTaskRunner, fleet: EngineFleet, store: RunStore) -> Iterator[None]:
+    """On the way out, every worker of `dask`'s cluster closes its clients of `fleet`'s engines
+    and forgets the run's tokenizer (tasks/generator.py `release_worker_state`). A LocalCluster
+    ends with the run; the workers at dask.address serve run after run and would keep them."""
+    try:
+        yield
+    finally:
+        try:
+            dask.client.run(release_worker_state, tuple(fleet.urls), store.url)
+        except Exception as err:  # the run's own outcome matters more
+            print(f"could not release the Dask workers' engine clients: {err!r}")
+
+
 @flow(name="generation", log_prints=True)
 def generation(config: RunConfig, producer: str = "gen0", pipeline_claim: str | None = None) -> dict:
     """Generate rollouts for `config`'s run until its trainer is done, or the pipeline whose lease
@@ -147,7 +165,7 @@ def _generate(config: RunConfig, producer: str, cache: Path, pipeline: PipelineW
     totals = {"groups": 0, "samples": 0, "engine_restarts": 0, "weight_updates": 0}
     fleet = EngineFleet(config.engine, config.generation.engines, model_dir, version, cache / "logs", first_engine_of(config, producer))
     in_flight: list[_Chunk] = []
-    with dask_task_runner(config) as dask, fleet, InFlightReport(store, producer, in_flight) as reported:
+    with dask_task_runner(config) as dask, worker_state_released(dask, fleet, store), fleet, InFlightReport(store, producer, in_flight) as reported:
         metrics.log("engines_started", version=version, engines=fleet.describe(), pid=os.getpid())
         generator = Generator(config, producer, fleet, cache)
         _recover_records(metrics, generator, config.generation.samples_per_prompt)

@@ -209,6 +209,27 @@ def _tokenizer(store: RunStore) -> PreTrainedTokenizerBase:
         return _TOKENIZERS[store.url]
 
 
+def release_worker_state(engine_urls: tuple[str, ...], store_url: str) -> int:
+    """Close this worker's clients of `engine_urls` and forget `store_url`'s tokenizer; returns
+    how many clients it closed. Run on every worker when a generation run ends (flows/generation.py
+    `worker_state_released`): the workers of a long-lived cluster serve run after run, and kept
+    every run's clients (an HTTP session each, and once a request had failed, a probe of the
+    run's engines, gone, twice a second) and tokenizer for as long as they lived."""
+    with _TOKENIZER_LOCK:
+        _TOKENIZERS.pop(store_url, None)
+    with _LOOP_LOCK:
+        loop = _LOOP
+    if loop is None:  # no group ran here
+        return 0
+
+    async def close_clients() -> int:  # on the loop that owns the clients
+        clients = [_CLIENTS.pop(key) for key in list(_CLIENTS) if key[0] == engine_urls]
+        await asyncio.gather(*(client.close() for client in clients))
+        return len(clients)
+
+    return asyncio.run_coroutine_threadsafe(close_clients(), loop).result(timeout=30)
+
+
 class Generator:
     """One producer's admission state, engines and weights."""
 

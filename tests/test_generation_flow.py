@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 import time
+from types import SimpleNamespace
 
 import pytest
 from prefect import flow, task
@@ -11,7 +13,7 @@ from prefect.cache_policies import NONE
 from prefect.testing.utilities import prefect_test_harness
 
 from configs import TINY_CONFIG, load_config
-from flows.generation import dask_task_runner, fan_out
+from flows.generation import dask_task_runner, fan_out, worker_state_released
 
 pytestmark = pytest.mark.slow
 
@@ -65,3 +67,36 @@ def test_the_worker_processes_run_without_the_statistical_profiler():
     """On CPython 3.11 its sys._current_frames() calls can deadlock a worker (gh-106883)."""
     with prefect_test_harness():
         assert _worker_profiler_flow() == [False, False]
+
+
+def _open_engine_client(urls: tuple[str, ...]) -> None:
+    """What a group does on a worker: a client of its run's engines, the run's tokenizer."""
+    from tasks import generator
+
+    spec = SimpleNamespace(engine_urls=urls, api_key=None, request_timeout=5.0, retry_seconds=1.0, hand_off_stragglers=True)
+    asyncio.run_coroutine_threadsafe(generator._engine_client(spec), generator._worker_loop()).result()
+    generator._TOKENIZERS[f"file:///runs/{urls[0][-2:]}"] = object()
+
+
+def _worker_state() -> tuple[list, list]:
+    from tasks import generator
+
+    return sorted(key[0] for key in generator._CLIENTS), sorted(generator._TOKENIZERS)
+
+
+@flow
+def _two_runs_on_one_cluster() -> list:
+    config = load_config(TINY_CONFIG, ["dask.n_workers=1", "dask.threads_per_worker=1"])
+    with dask_task_runner(config) as dask:
+        dask.client.run(_open_engine_client, ("http://127.0.0.1:10",))  # another run's, still going
+        this_run = (SimpleNamespace(urls=["http://127.0.0.1:11"]), SimpleNamespace(url="file:///runs/11"))
+        with worker_state_released(dask, *this_run):
+            dask.client.run(_open_engine_client, ("http://127.0.0.1:11",))
+        return list(dask.client.run(_worker_state).values())
+
+
+def test_a_generation_run_leaves_the_workers_without_its_engine_clients():
+    """The workers of a cluster at dask.address outlive the run: they kept every run's engine
+    clients (sessions, probes) and tokenizer for as long as they lived."""
+    with prefect_test_harness():
+        assert _two_runs_on_one_cluster() == [([("http://127.0.0.1:10",)], ["file:///runs/10"])]
