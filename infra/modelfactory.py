@@ -164,8 +164,10 @@ def load_trainable_model(path: Path | str, device: torch.device | str = "cpu") -
 def load_reference_model(path: Path | str, device: torch.device | str, dtype: torch.dtype | None) -> PreTrainedModel:
     """A frozen copy of the HF directory on `device` in `dtype` (None: float32): the KL term's
     reference, which is only ever run forward. Under bfloat16 autocast its matmuls run in
-    bfloat16 whatever its weights' dtype, so a float32 copy would only double its memory (a 4B
-    model: 16 GB instead of 8 on the trainer's GPU)."""
+    bfloat16 whatever its weights' dtype, as the policy's do, so a float32 copy would double its
+    memory (a 4B model: 16 GB instead of 8 on the trainer's GPU) for what autocast leaves in
+    float32: the policy's embeddings, norms and residual stream. Those make the KL at v0 a small
+    floor above 0 rather than 0 (exactly 0 without autocast, the CPU's default)."""
     import torch
 
     model = load_model(path, dtype=dtype or torch.float32)

@@ -8,8 +8,7 @@ behaviour logprobs. Plain torch functions, no model and no Prefect: the trainer 
   advantages of a group then have unit variance exactly. (TRL's GRPO uses the sample std; the two
   differ by a constant factor sqrt((n-1)/n), 0.935 for n=8, which the learning rate absorbs.)
   A group whose rewards are all equal carries no signal and gets advantage 0 exactly, not the
-  float noise of (r - mean) / (0 + eps). A group is normalised over the samples of it that are in
-  the batch: if some were dropped as too stale, over the rest.
+  float noise of (r - mean) / (0 + eps). A group comes whole (one shard) or not at all.
 - `policy_loss`: with importance correction, the PPO-clip surrogate of the ratio
   r = pi(token) / behaviour(token), where behaviour is the engine's logprob of the weights that
   generated the sample (up to max_lag versions old). min(r*A, clip(r, 1-eps, 1+eps)*A) stops the
@@ -38,8 +37,9 @@ from torch.utils.checkpoint import checkpoint
 
 LOG_RATIO_LIMIT = 20.0
 """log(ratio) is clamped to [-20, 20] before exp: a token the engine gave logprob -80 (or a
-float mishap) must not make the ratio inf. Beyond the clamp the gradient is 0, which the clip
-would give such a token anyway."""
+float mishap) must not make the ratio inf. Beyond the clamp the token's gradient is 0: what the
+clip gives it anyway, except for A < 0 with no is_cap, where the unclipped r*A would have a
+gradient of e^20 times A's, which is what the clamp is there to stop."""
 
 
 def group_advantages(rewards: Tensor, group_ids: Sequence[str], eps: float = 1e-6) -> Tensor:
