@@ -109,6 +109,23 @@ def test_a_load_that_outlasted_its_sync_is_not_loaded_again_once_the_engine_serv
         assert [(r.ok, r.weight_version) for r in results] == [(True, "1")] and fleet.engine_versions == [1]
 
 
+def test_no_second_load_goes_to_an_engine_while_one_it_never_answered_may_run(tmp_path: Path):
+    """The v1 load (about 3 s) outlasts its 1 s sync, and the v2 sync comes while it runs: SGLang's
+    server exits on a second load sent while a first runs in a pause. The v2 sync waits its 1 s
+    for v1 to land, then gives the engine up without sending it v2: the engine ends on v1 (the
+    sim engine would have run the v2 load after it); after v1 landed, v2 loads."""
+    models = [committed_model_dir(tmp_path / f"v{i}", seed=i) for i in range(3)]
+    slow = EngineConfig(backend="sim", sim=SimLatencyConfig(load_s_per_gb=1500), weight_load_timeout_s=1.0)
+    with EngineFleet(slow, 1, models[0], 0, tmp_path / "logs") as fleet:
+        assert [r.ok for r in fleet.update_weights(models[1], 1)] == [False]
+        [result] = fleet.update_weights(models[2], 2)
+        assert not result.ok and "has not answered and may still run" in result.message, result
+        time.sleep(6.0)  # v1 lands at about 3 s; a v2 load sent at 1 s would have landed by 6 s
+        assert engine_state(fleet.urls[0]) == ("1", False), "a second load was sent while the first ran"
+        results = fleet.reload_behind(timeout=15)
+        assert [(r.ok, r.weight_version) for r in results] == [(True, "2")] and engine_state(fleet.urls[0]) == ("2", False)
+
+
 def test_an_engine_gets_its_own_api_key_or_none_never_the_shells(tmp_path: Path, monkeypatch):
     """A shell set up for `tandem engine serve` has TANDEM_ENGINE_API_KEY: a fleet's engine that
     inherited it refused every request of its fleet, which sends none, with 401."""

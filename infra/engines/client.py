@@ -95,6 +95,9 @@ class Endpoint:
     """A caller holds the engine paused on purpose (control.py): from `pause` to the end of the
     `update_weights` that follows it, or through a sync. The probe continues only an engine
     nobody holds."""
+    load_sent: tuple[str, float] | None = None
+    """A weight load sent here that never answered (its sync gave up: control.py): its version
+    and when it was sent (monotonic). The engine may still be running it."""
     control: asyncio.Lock = field(default_factory=asyncio.Lock)
     """Taken by the probe from its check of `held` to its continue's answer, and by whoever sets
     `held`: so that no pause is sent between the two and then undone by that continue."""

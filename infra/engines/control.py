@@ -11,7 +11,9 @@ engine is on which weight version, so one stuck engine cannot hang a weight sync
 Pauses for a sync are in mode `retract`, which moves running requests back to the engine's queue
 with their output so far. SGLang's update_weights_from_disk flushes the KV cache after loading
 (its `flush_cache`, on by default), and that flush fails while requests sit in the running
-batch, as they do after an `in_place` pause: SGLang then asserts and its server exits. Retracted,
+batch, as they do after an `in_place` pause: SGLang 0.5.23 then serves the new weights but answers
+the load 400 ("the cache was not flushed"), keeping its old weight_version, and its cache holds
+keys and values the old weights computed (earlier releases asserted and exited). Retracted,
 they are prefilled again on the new weights once continued, so no key or value that the old
 weights computed (the prefix cache included) is used with the new ones. The flush passes with
 requests waiting in the queue, retracted or never started, only because SGLang (0.5.23, the
@@ -21,18 +23,35 @@ did not would assert on a busy engine, so `tandem[sglang]` asks for 0.5.23 or la
 up on mid-sync is out of rotation; once it answers again the probe sends the /continue_generation
 it missed (unless a caller holds it paused for the next sync: `pause` until `update_weights` ends)
 before putting it back.
+
+A load that a sync gave up waiting for goes on in the engine, and no other load is sent to that
+engine until it serves that load's version or `UNANSWERED_LOAD_LIMIT` timeouts have passed since
+it was sent. SGLang runs one load at a time only while unpaused: during a pause its
+update_weights_from_disk skips the lock it otherwise takes, each call replaces the one future
+that the scheduler's answer resolves, and the first load's answer then resolves the second's and
+the second's finds it done, an error on which its server kills itself.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Collection
 from dataclasses import dataclass
 
 import aiohttp
 
 from infra.engines.client import TRANSPORT_ERRORS, Endpoint, EngineClient, EngineRequestError
+
+
+UNANSWERED_LOAD_LIMIT = 5.0
+"""How many sync timeouts after it was sent a load that never answered is waited for before
+another load goes to its engine: past it, the load is taken for lost (one that failed leaves the
+version as it was, which looks the same as one still running). Generous, since a second load
+while the first runs costs the engine (SGLang's server exits), and waiting costs only this
+engine's freshness: it serves the older weights meanwhile, the others the new ones."""
+UNANSWERED_LOAD_POLL_SECONDS = 0.5
 
 
 @dataclass
@@ -71,7 +90,10 @@ class EngineControl(EngineClient):
         async def one(endpoint: Endpoint) -> WeightSyncResult:
             if not endpoint.healthy and not await self._answers(endpoint.url, "/model_info"):
                 return WeightSyncResult(endpoint.url, False, endpoint.weight_version, "skipped: out of rotation, not answering")
-            if unless_serving and await self._weight_version(endpoint.url) == weight_version:
+            unanswered = endpoint.load_sent is not None
+            if unanswered and (running := await self._wait_for_unanswered_load(endpoint, timeout)):
+                return WeightSyncResult(endpoint.url, False, endpoint.weight_version, running)
+            if (unless_serving or unanswered) and await self._weight_version(endpoint.url) == weight_version:
                 endpoint.weight_version = weight_version
                 return WeightSyncResult(endpoint.url, True, weight_version, "serving it already: an earlier load finished late")
             return await self._update_one(endpoint, model_path, weight_version, timeout, pause_mode)
@@ -103,6 +125,25 @@ class EngineControl(EngineClient):
         )
         return not any(isinstance(answer, BaseException) for answer in answers)
 
+    async def _wait_for_unanswered_load(self, endpoint: Endpoint, timeout: float) -> str | None:
+        """Wait up to `timeout` s for the load `endpoint` never answered to land; None once it is
+        over (serving its version, or past `UNANSWERED_LOAD_LIMIT`), else why no load may go there."""
+        assert endpoint.load_sent is not None
+        version, sent_at = endpoint.load_sent
+        deadline = time.monotonic() + timeout
+        while True:
+            if await self._weight_version(endpoint.url) == version:
+                endpoint.weight_version = version
+                break
+            if time.monotonic() - sent_at > UNANSWERED_LOAD_LIMIT * timeout:
+                break
+            if time.monotonic() >= deadline:
+                return (f"skipped: its load of weight version {version}, sent {time.monotonic() - sent_at:.0f} s ago, has not "
+                        "answered and may still run (SGLang's server exits on a second load sent meanwhile)")  # fmt: skip
+            await asyncio.sleep(UNANSWERED_LOAD_POLL_SECONDS)
+        endpoint.load_sent = None
+        return None
+
     async def _hold(self, endpoints: list[Endpoint]) -> None:
         """Mark `endpoints` held, each once no probe is between its check and its continue."""
         for endpoint in endpoints:
@@ -115,13 +156,18 @@ class EngineControl(EngineClient):
         async def sequence() -> WeightSyncResult:
             endpoint.paused = True  # before sending: the pause may land even if we give up waiting
             await self._control(endpoint, "/pause_generation", {"mode": pause_mode})
+            endpoint.load_sent = (weight_version, time.monotonic())
             try:
                 async with self.http.post(
                     endpoint.url + "/update_weights_from_disk",
                     json={"model_path": model_path, "weight_version": weight_version},
                     timeout=aiohttp.ClientTimeout(total=timeout),
                 ) as response:
+                    endpoint.load_sent = None  # it answered: the load is over
                     answer = json.loads(await response.read())
+            except aiohttp.ClientConnectorError:  # never reached the engine: nothing runs there
+                endpoint.load_sent = None
+                raise
             finally:
                 # Also runs when the timeout cancels the load: un-pause an engine that is slow but
                 # alive, within a short grace, so that a hung one still cannot hold the sync.
