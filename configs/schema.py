@@ -96,6 +96,15 @@ SGLANG_FLAGS_SET_BY_TANDEM = {
 }  # fmt: skip
 """What each `sglang.launch_server` flag the launcher passes comes from (infra/engines/sglang.py),
 with SGLang's aliases of them (--model, --tensor-parallel-size)."""
+SGLANG_FLAGS_REFUSED = {
+    "--trust-remote-code": "would run Python files from the snapshot, which a run directory must never make anyone do "
+                           "(a bucket's content is data)",
+    "--enable-deterministic-inference": "seeds every request that carries no sampling_seed alike, and tandem's samples carry "
+                                        "none: every sample of a group would come out the same, and GRPO learn nothing",
+    "--admin-api-key": "would make SGLang's pause, continue, weight-load and abort endpoints take that key only, and tandem "
+                       "sends them engine.api_key",
+}  # fmt: skip
+"""`sglang.launch_server` flags that would break a run, and how (SGLang 0.5.23)."""
 
 
 class EngineConfig(Section):
@@ -134,10 +143,10 @@ class EngineConfig(Section):
     def _no_flag_tandem_sets(cls, args: list[str]) -> list[str]:
         for arg in args:
             flag = arg.split("=", 1)[0]
-            if flag.startswith("--") and "--trust-remote-code".startswith(flag) and len(flag) > 3:
-                raise ValueError("--trust-remote-code would run Python files from the snapshot, which a run directory must "
-                                 "never make anyone do (a bucket's content is data); leave it out")  # fmt: skip
             # argparse also takes an unambiguous prefix of a flag: --tp for --tp-size
+            refused = [name for name in SGLANG_FLAGS_REFUSED if flag.startswith("--") and len(flag) > 3 and name.startswith(flag)]
+            if refused:
+                raise ValueError(f"{refused[0]} {SGLANG_FLAGS_REFUSED[refused[0]]}; leave it out")
             owned = [name for name in SGLANG_FLAGS_SET_BY_TANDEM if flag.startswith("--") and name.startswith(flag)]
             if owned:
                 raise ValueError(f"{owned[0]} is set by tandem from {SGLANG_FLAGS_SET_BY_TANDEM[owned[0]]}; leave {flag} out")

@@ -120,6 +120,8 @@ BAD_CONFIGS = [
     ("training: {lr: 0}\n", [], "training.lr"),
     ("engine:\n  sglang_args: ['--trust-remote-code']\n", [], "engine.sglang_args: --trust-remote-code would run Python files"),
     ("engine:\n  sglang_args: ['--trust-remote']\n", [], "engine.sglang_args: --trust-remote-code would run Python files"),
+    ("engine:\n  sglang_args: ['--enable-deterministic-inference']\n", [], "every sample of a group would come out the same"),
+    ("engine:\n  sglang_args: ['--admin-api-key=k']\n", [], "engine.sglang_args: --admin-api-key would make SGLang's pause"),
     ("training: {device: gpu}\n", [], "training.device: device must be auto, cpu, cuda or cuda:N (N a GPU index), got 'gpu'"),
     ("training: {compute_dtype: float16}\n", [], "training.compute_dtype: Input should be 'auto', 'float32' or 'bfloat16'"),
     ("key: [unclosed\n", [], "not valid YAML"),

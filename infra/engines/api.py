@@ -113,7 +113,8 @@ class GenerateMetaInfo(_Response):
     finish_reason: FinishReason | None = None
     """Why it ended; null only in a streamed, unfinished chunk."""
     prompt_tokens: int
-    """Tokens in the prompt."""
+    """Tokens in the prompt (SGLang 0.5.23 leaves it out of its answer to a request aborted in its
+    waiting queue; tandem's client reads it from no engine)."""
     completion_tokens: int
     """Tokens generated."""
     cached_tokens: int = 0
