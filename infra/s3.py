@@ -67,6 +67,14 @@ def rejection_reason(err: BaseException) -> str | None:
     return None
 
 
+def is_missing_bucket(err: BaseException) -> bool:
+    """True when S3 answered NoSuchBucket, which s3fs raises as FileNotFoundError, the error of a
+    missing key: read as one, a run's bucket that a restarted server has not loaded yet (SeaweedFS
+    answers so for a moment) made the run look empty, its checkpoints and snapshots absent."""
+    client_error = _client_error_of(err)
+    return client_error is not None and client_error.response.get("Error", {}).get("Code") == "NoSuchBucket"
+
+
 def is_precondition_failure(err: BaseException) -> bool:
     """True when S3 refused a conditional PUT because the key already exists."""
     cause = err.__cause__ if isinstance(err.__cause__, ClientError) else err

@@ -63,7 +63,7 @@ import fsspec
 from botocore.exceptions import BotoCoreError, ClientError
 
 from configs.schema import StorageConfig
-from infra.s3 import is_precondition_failure, rejection_reason, s3_filesystem
+from infra.s3 import is_missing_bucket, is_precondition_failure, rejection_reason, s3_filesystem
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -387,8 +387,12 @@ class RunStore:
         while True:
             try:
                 return contextvars.Context().run(call, *args, **kwargs)
-            except PERMANENT_ERRORS:
-                raise
+            except PERMANENT_ERRORS as err:
+                if not is_missing_bucket(err):
+                    raise
+                deadline = deadline or time.monotonic() + self.retry_seconds
+                self._wait_before_retry(err, deadline, delay)
+                delay = min(delay * 2, 2.0)
             except TRANSIENT_ERRORS as err:
                 if isinstance(err, OSError) and (is_precondition_failure(err) or err.errno in LOCAL_ERRNOS):
                     raise
@@ -399,13 +403,15 @@ class RunStore:
                         code, f"storage at {self.url} rejected the request, {reason}: {message}"
                     ) from err
                 deadline = deadline or time.monotonic() + self.retry_seconds
-                if time.monotonic() + delay > deadline:
-                    raise StorageUnavailable(
-                        f"storage at {self.url} failed for {self.retry_seconds:.0f}s: {err}"
-                    ) from err
-                log.warning("storage error on %s, retrying in %.1fs: %s", self.url, delay, err)
-                time.sleep(delay)
+                self._wait_before_retry(err, deadline, delay)
                 delay = min(delay * 2, 2.0)
+
+    def _wait_before_retry(self, err: BaseException, deadline: float, delay: float) -> None:
+        """Sleep `delay` before the next try; StorageUnavailable if that would pass `deadline`."""
+        if time.monotonic() + delay > deadline:
+            raise StorageUnavailable(f"storage at {self.url} failed for {self.retry_seconds:.0f}s: {err}") from err
+        log.warning("storage error on %s, retrying in %.1fs: %s", self.url, delay, err)
+        time.sleep(delay)
 
 
 def open_run_store(storage: StorageConfig, run_id: str) -> RunStore:

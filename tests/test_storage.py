@@ -318,6 +318,22 @@ def test_invalid_bucket_name_fails_at_once_with_a_clear_error(seaweed: SeaweedSe
 
 
 @pytest.mark.s3
+def test_a_missing_bucket_is_storage_unavailable_not_an_empty_run(s3_store: RunStore):
+    """s3fs raises NoSuchBucket as FileNotFoundError, a missing key's error: a restarted SeaweedFS
+    answers so before it has loaded its buckets, and the run looked empty (no checkpoint: the
+    pipeline withdrew every snapshot after v0)."""
+    s3_store.write_atomic("weights/v00000001/MANIFEST.json", b"{}")
+    gone = RunStore(s3_store.fs, "tandem-no-such-bucket/runs/r1", "s3://tandem-no-such-bucket/runs/r1", retry_seconds=0.5)
+    for read in (lambda store: store.list("weights"), lambda store: store.sizes("weights"),
+                 lambda store: store.read_bytes("weights/v00000001/MANIFEST.json")):  # fmt: skip
+        assert read(s3_store) in (["weights/v00000001"], {"weights/v00000001/MANIFEST.json": 2}, b"{}")
+        with pytest.raises(StorageUnavailable, match="failed for 0s: .*bucket"):
+            read(gone)
+    with pytest.raises(FileNotFoundError):
+        s3_store.read_bytes("weights/v00000002/MANIFEST.json")
+
+
+@pytest.mark.s3
 def test_s3_bucket_is_created_on_open(seaweed: SeaweedServer):
     config = s3_storage_config(seaweed)
     store = open_run_store(config, "r1")
