@@ -34,18 +34,37 @@ SWEPT_PREFIX = "tandem-"
 
 
 @contextmanager
-def scratch_dir(prefix: str) -> Iterator[Path]:
-    """A new directory under the system's temporary directory, named `prefix` + random."""
+def scratch_dir(prefix: str, keep_logs: bool = True) -> Iterator[Path]:
+    """A new directory under the system's temporary directory, named `prefix` + random.
+    `keep_logs`: on failure, keep its logs (else it is removed whole, as on success)."""
     sweep_orphaned_scratch(Path(tempfile.gettempdir()))
     path = Path(tempfile.mkdtemp(prefix=prefix))
     (path / OWNER_FILE).write_text(json.dumps(_owner(os.getpid())))
     try:
         yield path
     except BaseException:
-        _keep_only_logs(path)
-        log.warning("kept the logs in %s: what failed may have left its reasons there", path)
+        if keep_logs:
+            _keep_only_logs(path)
+            log.warning("kept the logs in %s: what failed may have left its reasons there", path)
+            raise
+        shutil.rmtree(path, ignore_errors=True)
         raise
     shutil.rmtree(path, ignore_errors=True)
+
+
+@contextmanager
+def staging_area(prefix: str, parent: Path | None) -> Iterator[Path]:
+    """A directory to write files in before they are uploaded: under `parent` when given (a file://
+    store's own staging, on its filesystem, which the trainer clears as it starts), else a
+    `tandem-*` scratch directory, which the next scratch directory made on this machine empties
+    once its owner is gone. A trainer killed mid-upload to S3 left a whole model, or a checkpoint
+    with its optimizer moments, in the system's temporary directory for good."""
+    if parent is None:
+        with scratch_dir(f"{SWEPT_PREFIX}{prefix}", keep_logs=False) as path:
+            yield path
+        return
+    with tempfile.TemporaryDirectory(prefix=prefix, dir=parent) as path:
+        yield Path(path)
 
 
 def _keep_only_logs(path: Path) -> None:

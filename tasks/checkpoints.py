@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import random
 import re
-import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +34,7 @@ import torch
 from safetensors.torch import load_file, load_model, save_file, save_model
 
 from infra.manifest import MANIFEST_NAME, commit_directory, fetch_directory
+from infra.scratch import staging_area
 from infra.storage import RunStore
 
 CHECKPOINTS = "checkpoints"
@@ -71,8 +71,7 @@ def save_checkpoint(
     staging_dir: Path | None = None,
 ) -> bool:
     """Write and commit the checkpoint of `step`; False if that step was already committed."""
-    with tempfile.TemporaryDirectory(prefix="checkpoint-", dir=staging_dir or store.staging_dir()) as temp:
-        out = Path(temp)
+    with staging_area("checkpoint-", staging_dir or store.staging_dir()) as out:
         save_model(model, str(out / "model.safetensors"))
         tensors: dict[str, torch.Tensor] = {}
         optimizer_json = _encode(optimizer.state_dict(), tensors, "optimizer")

@@ -50,7 +50,6 @@ import hashlib
 import json
 import logging
 import re
-import tempfile
 import time
 from collections.abc import Iterable
 from datetime import datetime
@@ -58,6 +57,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from infra.manifest import MANIFEST_NAME, build_manifest, commit_directory, fetch_directory, read_manifest
+from infra.scratch import staging_area
 from infra.storage import RunStore
 
 if TYPE_CHECKING:  # transformers' model classes import torch, which the rollout side never needs
@@ -98,13 +98,13 @@ def publish_snapshot(
     LATEST forward; with other weights it is a SnapshotConflict.
     On file:// it stages in the run's own `.staging/`, so that the files are linked into the
     snapshot rather than written a second time (`RunStore.upload`)."""
-    with tempfile.TemporaryDirectory(prefix="snapshot-", dir=staging_dir or store.staging_dir()) as temp:
+    with staging_area("snapshot-", staging_dir or store.staging_dir()) as temp:
         if dtype is None or dtype == model.dtype:
             model.save_pretrained(temp)
         else:
-            _save_cast(model, Path(temp), dtype)
+            _save_cast(model, temp, dtype)
         tokenizer.save_pretrained(temp)
-        return publish_snapshot_dir(store, Path(temp), version, take_files=True, replaces=replaces)
+        return publish_snapshot_dir(store, temp, version, take_files=True, replaces=replaces)
 
 
 def _save_cast(model: PreTrainedModel, out_dir: Path, dtype: torch.dtype) -> None:

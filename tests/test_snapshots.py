@@ -134,6 +134,24 @@ def test_publishing_on_file_links_the_staged_files_and_leaves_no_staging(file_st
     assert verify_local_dir(local)["extra"] == {"version": 0}
 
 
+@pytest.mark.s3
+def test_a_snapshot_staged_off_the_store_is_staged_where_a_killed_trainers_leftovers_are_swept(
+    s3_store, tmp_path, model, tokenizer, monkeypatch
+) -> None:
+    """On S3 the files are written to a local directory first: a trainer killed mid-upload (the
+    OOM killer, SIGKILL) left a whole model there for good. It is a `tandem-*` scratch directory
+    naming its owner now, which the next scratch directory made on the machine empties."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr("tempfile.tempdir", None)
+    staged, upload = set(), s3_store.upload
+    monkeypatch.setattr(s3_store, "upload", lambda local, key, **kwargs: (staged.add((local.parent, (local.parent / ".owner").exists())),
+                                                                          upload(local, key, **kwargs))[1])  # fmt: skip
+    publish_snapshot(s3_store, model, tokenizer, version=0)
+    [(staging, owned)] = staged
+    assert staging.parent == tmp_path and staging.name.startswith("tandem-snapshot-") and owned
+    assert not staging.exists(), "removed once committed"
+
+
 def test_a_fetch_on_file_links_the_committed_files_and_keeps_them_when_the_store_drops_them(
     file_store, tmp_path, model, tokenizer
 ) -> None:
