@@ -332,9 +332,11 @@ def recommit_snapshot(store: RunStore, model: PreTrainedModel, tokenizer: PreTra
 def withdraw_after(store: RunStore, version: int) -> list[int]:
     """Move LATEST back to committed snapshot `version` and delete every snapshot after it, newest
     first; returns the versions deleted. For a trainer resumed from its checkpoint at `version`
-    (module docstring)."""
+    (module docstring). LATEST is also moved when nothing comes after `version` but it names
+    another: a trainer killed inside `recommit_snapshot` left it naming a snapshot it had just
+    deleted, which no publish below it could move it off."""
     later = [v for v in snapshot_versions(store) if v > version]
-    if later:
+    if later or latest_version(store) != version:
         committed_version(store, version)  # LATEST must never name a snapshot that is not there
         store.write_atomic(LATEST_KEY, json.dumps({"version": version}).encode())
         for v in reversed(later):

@@ -23,6 +23,7 @@ from configs import TINY_CONFIG, load_config
 from configs.schema import ModelConfig
 from infra.manifest import (
     MANIFEST_FORMAT,
+    MANIFEST_NAME,
     ManifestError,
     build_manifest,
     commit_directory,
@@ -358,6 +359,17 @@ def test_withdrawing_after_a_checkpoint_moves_latest_back_and_deletes_the_later_
     publish_snapshot_dir(store, fake_snapshot(resumed, 2), 2)
     assert latest_version(store) == 2, "the resumed trainer's v2 moves LATEST forward as any publish does"
 
+
+
+def test_withdrawing_moves_latest_off_a_snapshot_a_killed_recommit_deleted(store, tmp_path) -> None:
+    """A trainer killed inside recommit_snapshot (the damaged v2 deleted, not yet published again)
+    left LATEST naming v2 with nothing after its checkpoint's v1: LATEST stayed on the missing
+    v2, no publish of v2's successors below it moved it, and the generators stayed on v1."""
+    for version in range(3):
+        publish_snapshot_dir(store, fake_snapshot(tmp_path, version), version)
+    store.delete(f"{snapshot_prefix(2)}/{MANIFEST_NAME}")
+    store.delete_prefix(snapshot_prefix(2))
+    assert withdraw_after(store, 1) == [] and latest_version(store) == 1
 
 
 def test_a_version_committed_with_other_weights_is_a_conflict_not_a_retried_publish(store, tmp_path) -> None:
