@@ -174,7 +174,10 @@ def _fetch_committed(store: RunStore, prefix: str, local_dir: Path, stored_sizes
         return manifest
     local_dir.parent.mkdir(parents=True, exist_ok=True)
     stored = store.local_path(prefix)
-    linked = stored is not None and stored.stat().st_dev == local_dir.parent.stat().st_dev  # takes no space
+    try:
+        linked = stored is not None and stored.stat().st_dev == local_dir.parent.stat().st_dev  # takes no space
+    except FileNotFoundError as err:  # retired since the listing, as a file missing at its download is
+        raise ManifestError(f"{prefix}: deleted while it was fetched") from err
     needed = 0 if linked else sum(entry["size"] for entry in manifest["files"].values())
     free = shutil.disk_usage(local_dir.parent).free
     if needed > free:  # the machine's trouble, not the snapshot's: not a ManifestError, which rejects the snapshot

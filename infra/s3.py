@@ -29,9 +29,10 @@ TRANSIENT_ERROR_CODES = frozenset({
     "SlowDown", "Throttling", "ThrottlingException", "TooManyRequests", "TooManyRequestsException",
     "RequestLimitExceeded", "RequestThrottled", "RequestTimeout", "RequestTimeoutException",
     "ServiceUnavailable", "InternalError", "OperationAborted", "PriorRequestNotComplete",
-    "ConditionalRequestConflict",
+    "ConditionalRequestConflict", "BadDigest", "XAmzContentSHA256Mismatch", "IncompleteBody",
 })  # fmt: skip
-"""S3 error codes that a later attempt can get past, whatever HTTP status carried them."""
+"""S3 error codes that a later attempt can get past, whatever HTTP status carried them (the last
+three: a body damaged or cut off on its way, answered with a 400)."""
 TRANSIENT_4XX = (408, 429)
 
 

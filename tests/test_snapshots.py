@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM
 
 from configs import TINY_CONFIG, load_config
 from configs.schema import ModelConfig
+import infra.manifest as manifest_module
 from infra.manifest import (
     MANIFEST_FORMAT,
     MANIFEST_NAME,
@@ -386,6 +387,22 @@ def test_a_version_committed_with_other_weights_is_a_conflict_not_a_retried_publ
     with pytest.raises(SnapshotConflict, match="v1 is committed already with other weights"):
         publish_snapshot_dir(store, fake_snapshot(other, 2), 1)
     assert read_manifest(store, snapshot_prefix(1))["files"] == build_manifest(first)["files"], "left as it was"
+
+def test_a_snapshot_retired_while_it_is_fetched_is_a_manifest_error(file_store, tmp_path, monkeypatch) -> None:
+    """On file:// the fetch looks at the snapshot's directory after reading its manifest: one that
+    retention deleted in between raised a bare FileNotFoundError, which the generator does not
+    take for a snapshot gone (ManifestError: read LATEST again) and failed on."""
+    publish_snapshot_dir(file_store, fake_snapshot(tmp_path, 1), 1)
+    parse = manifest_module.parse_manifest
+
+    def retired_meanwhile(data: bytes) -> dict:
+        shutil.rmtree(file_store.local_path(snapshot_prefix(1)))
+        return parse(data)
+
+    monkeypatch.setattr(manifest_module, "parse_manifest", retired_meanwhile)
+    with pytest.raises(ManifestError, match="deleted while it was fetched"):
+        fetch_directory(file_store, snapshot_prefix(1), tmp_path / "cache" / "v1")
+
 
 def test_withdrawing_back_to_a_version_not_kept_is_refused(store, tmp_path) -> None:
     for version in (0, 2):

@@ -222,6 +222,9 @@ def _translated(code: str, status: int, errno_: int) -> OSError:
         (_client_error("InternalError", 500), False),
         (_client_error("ServiceUnavailable", 503), False),
         (_client_error("RequestTimeout", 400), False),  # S3 sends this code with a 400
+        (_client_error("BadDigest", 400), False),  # a body damaged on its way
+        (_client_error("XAmzContentSHA256Mismatch", 400), False),
+        (_client_error("IncompleteBody", 400), False),
         (_client_error("TooManyRequests", 429), False),
         (_client_error("Whatever", 408), False),
         (_client_error("Whatever", 502), False),
