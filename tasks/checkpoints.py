@@ -40,6 +40,8 @@ from infra.storage import RunStore
 CHECKPOINTS = "checkpoints"
 STATE_FORMAT = "tandem-checkpoint/1"
 _STEP_DIR = re.compile(r"step(\d{8})")
+DAMAGED_MANIFEST_NAME = "MANIFEST.damaged.json"
+"""A set-aside checkpoint's manifest (`set_aside_checkpoint`): kept, with its files, for a person to look into."""
 STEP_IMPLEMENTATION = ("fused", "foreach", "capturable")
 """Optimizer options that choose how a step is computed, not what it computes: a resumed
 optimizer keeps its own."""
@@ -86,12 +88,22 @@ def save_checkpoint(
 
 def checkpoint_steps(store: RunStore) -> list[int]:
     """Steps that have a committed checkpoint, ascending."""
-    steps = []
-    for key in store.list(CHECKPOINTS):
-        match = _STEP_DIR.fullmatch(key.rsplit("/", 1)[-1])
-        if match and store.exists(f"{key}/{MANIFEST_NAME}"):
-            steps.append(int(match.group(1)))
-    return sorted(steps)
+    return _step_dirs(store)[0]
+
+
+def _step_dirs(store: RunStore) -> tuple[list[int], list[int]]:
+    """From one listing: the committed checkpoints' steps, and the steps whose directory holds
+    files but neither a manifest nor a damaged one's (`set_aside_checkpoint`), both ascending.
+    One listing, not a request per directory: SeaweedFS lists a directory emptied by retention
+    for good, so a check of each would grow with the run's length."""
+    files: dict[int, set[str]] = {}
+    for key in store.sizes(CHECKPOINTS):
+        parts = key.split("/")
+        if len(parts) >= 3 and (match := _STEP_DIR.fullmatch(parts[1])):
+            files.setdefault(int(match.group(1)), set()).add("/".join(parts[2:]))
+    committed = sorted(step for step, names in files.items() if MANIFEST_NAME in names)
+    uncommitted = sorted(step for step, names in files.items() if not names & {MANIFEST_NAME, DAMAGED_MANIFEST_NAME})
+    return committed, uncommitted
 
 
 def latest_checkpoint_step(store: RunStore) -> int | None:
@@ -136,14 +148,20 @@ def apply_checkpoint_retention(store: RunStore, keep_last: int) -> list[int]:
 
     A checkpoint holds the weights and both of AdamW's moments in float32, 12 bytes a
     parameter: kept for good, a 7B model's every tenth step of a thousand would fill 8 TB. Its
-    manifest goes first, so that no reader takes a checkpoint half deleted for committed."""
+    manifest goes first, so that no reader takes a checkpoint half deleted for committed. The
+    files of a deletion cut short after it (a killed trainer, an outage) are deleted at the next
+    retention, as are those of a save killed before its commit, once a later step is committed."""
     if keep_last < 2:
         raise ValueError(f"keep_last must be >= 2 (a damaged newest checkpoint falls back to the one before), got {keep_last}")
-    deleted = checkpoint_steps(store)[:-keep_last]
+    committed, uncommitted = _step_dirs(store)
+    deleted = committed[:-keep_last]
     for step in deleted:
         prefix = checkpoint_prefix(step)
         store.delete(f"{prefix}/{MANIFEST_NAME}")
         store.delete_prefix(prefix)
+    for step in uncommitted:
+        if committed and step < committed[-1]:  # a save in progress is of a later step
+            store.delete_prefix(checkpoint_prefix(step))
     return deleted
 
 
@@ -158,7 +176,7 @@ def set_aside_checkpoint(store: RunStore, step: int, reason: str) -> str:
     checkpoint of that step replaces them. Returns the prefix."""
     prefix = checkpoint_prefix(step)
     manifest = store.read_bytes(f"{prefix}/{MANIFEST_NAME}")
-    store.write_atomic(f"{prefix}/MANIFEST.damaged.json", manifest)
+    store.write_atomic(f"{prefix}/{DAMAGED_MANIFEST_NAME}", manifest)
     store.write_atomic(f"{prefix}/damaged.json", json.dumps({"reason": reason}).encode())
     store.delete(f"{prefix}/{MANIFEST_NAME}")
     return prefix

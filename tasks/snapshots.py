@@ -182,12 +182,19 @@ def latest_version(store: RunStore) -> int | None:
 
 def snapshot_versions(store: RunStore) -> list[int]:
     """Committed snapshot versions (those with a MANIFEST), ascending."""
-    versions = []
+    return _version_dirs(store)[0]
+
+
+def _version_dirs(store: RunStore) -> tuple[list[int], list[int]]:
+    """From one listing: the committed versions, and those whose directory holds files but no
+    manifest (a killed publish's, or a retirement's cut short), both ascending."""
+    files: dict[int, set[str]] = {}
     for key in store.list_recursive(WEIGHTS):
         parts = key.split("/")
-        if len(parts) == 3 and parts[2] == MANIFEST_NAME and (match := _VERSION_DIR.fullmatch(parts[1])):
-            versions.append(int(match.group(1)))
-    return sorted(versions)
+        if len(parts) >= 3 and (match := _VERSION_DIR.fullmatch(parts[1])):
+            files.setdefault(int(match.group(1)), set()).add("/".join(parts[2:]))
+    committed = sorted(version for version, names in files.items() if MANIFEST_NAME in names)
+    return committed, sorted(set(files) - set(committed))
 
 
 class SnapshotMissing(LookupError):
@@ -252,8 +259,10 @@ def apply_retention(
     """Delete snapshots that nothing needs; returns the deleted versions.
 
     Kept: the newest `keep_last` committed versions, every multiple of `keep_every` (so v0),
-    LATEST, the `pinned` argument and every version a pin file names. Uncommitted leftovers of a
-    killed publish are left alone: the retried publish of that version clears them.
+    LATEST, the `pinned` argument and every version a pin file names. Files without a manifest
+    below the newest committed version are deleted too: a retirement cut short after its
+    manifest went (a killed trainer, an outage) left them, or a publish killed before its commit
+    that no retry will make (a publish in progress is of a newer version).
 
     A pin file that does not parse (edited by hand, written by a foreign tool) keeps every
     snapshot, with a warning naming it: its consumer may need any of them, and retention is
@@ -265,7 +274,7 @@ def apply_retention(
     except ValueError as err:
         log.warning("snapshot retention skipped, every snapshot kept until the pin is fixed or removed: %s", err)
         return []
-    committed = snapshot_versions(store)
+    committed, uncommitted = _version_dirs(store)
     latest = latest_version(store)
     keep = set(committed[-keep_last:]) | set(pinned) | pins
     keep |= {v for v in committed if v % keep_every == 0}
@@ -274,6 +283,9 @@ def apply_retention(
     deleted = [version for version in committed if version not in keep]
     for version in deleted:
         _delete_snapshot(store, version)
+    for version in uncommitted:
+        if committed and version < committed[-1] and version != latest:  # LATEST's: a recommit under way
+            store.delete_prefix(snapshot_prefix(version))
     return deleted
 
 

@@ -13,11 +13,13 @@ from configs.schema import ModelConfig
 from infra.manifest import ManifestError
 from infra.modelfactory import build_model
 from tasks.checkpoints import (
+    apply_checkpoint_retention,
     checkpoint_prefix,
     checkpoint_steps,
     latest_checkpoint_step,
     load_checkpoint,
     save_checkpoint,
+    set_aside_checkpoint,
 )
 
 TINY = ModelConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64)
@@ -110,6 +112,23 @@ def test_latest_checkpoint_ignores_uncommitted_steps(store, tmp_path, monkeypatc
     assert load_checkpoint(store, *fresh(seed=0), tmp_path / "cache").ledger == ["a", "b"]
     with pytest.raises(ManifestError):
         load_checkpoint(store, *fresh(seed=0), tmp_path / "cache", step=30)
+
+
+def test_retention_deletes_what_a_cut_short_deletion_or_a_killed_save_left_but_not_a_set_aside_checkpoint(store) -> None:
+    """Retention deletes a checkpoint's manifest, then its files: a trainer killed in between
+    left weights and optimizer moments that nothing saw again, since they had no manifest; so did
+    a save killed before its commit. A checkpoint set aside as damaged stays for a person to see."""
+    model, optimizer = fresh(seed=0)
+    for step in (10, 20, 30, 40):
+        save_checkpoint(store, step, model, optimizer, ledger=[])
+    store.delete(f"{checkpoint_prefix(10)}/MANIFEST.json")  # its deletion, cut short
+    set_aside_checkpoint(store, 20, "a flipped byte")
+    store.write_atomic(f"{checkpoint_prefix(50)}/model.safetensors", b"step 50, being saved")
+    assert apply_checkpoint_retention(store, keep_last=2) == []
+    assert not store.list_recursive(checkpoint_prefix(10))
+    assert f"{checkpoint_prefix(20)}/damaged.json" in store.list_recursive(checkpoint_prefix(20))
+    assert store.list_recursive(checkpoint_prefix(50)) == [f"{checkpoint_prefix(50)}/model.safetensors"]
+    assert checkpoint_steps(store) == [30, 40]
 
 
 def test_corrupt_optimizer_state_is_refused(store, tmp_path) -> None:

@@ -345,6 +345,19 @@ def test_retention_never_deletes_latest(store, tmp_path) -> None:
     assert snapshot_versions(store) == [1, 3]
 
 
+def test_retention_deletes_the_files_of_a_retirement_cut_short_but_not_a_publish_under_way(store, tmp_path) -> None:
+    """A retirement deletes the manifest first, then the files: a trainer killed in between left
+    a whole snapshot's files that no later retention saw, since they had no manifest."""
+    for version in range(4):
+        publish_snapshot_dir(store, fake_snapshot(tmp_path, version), version)
+    store.delete(f"{snapshot_prefix(1)}/{MANIFEST_NAME}")  # v1's retirement, cut short
+    store.write_atomic(f"{snapshot_prefix(4)}/model.safetensors", b"v4, being published")
+    assert apply_retention(store, keep_last=10, keep_every=100) == []
+    assert not store.list_recursive(snapshot_prefix(1))
+    assert store.list_recursive(snapshot_prefix(4)) == [f"{snapshot_prefix(4)}/model.safetensors"]
+    assert snapshot_versions(store) == [0, 2, 3]
+
+
 def test_withdrawing_after_a_checkpoint_moves_latest_back_and_deletes_the_later_snapshots(store, tmp_path) -> None:
     """A trainer resumed from step 1 publishes v2 and v3 again, with other weights: the dead
     trainer's v2 and v3 go, a pinned one too, manifest first, and LATEST names v1 again."""
