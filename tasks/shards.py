@@ -32,6 +32,7 @@ must be <= 0 up to LOGPROB_TOLERANCE, which absorbs engines' float rounding of n
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -260,7 +261,9 @@ def decode_shard(
     try:
         parquet = pq.ParquetFile(pa.BufferReader(data), page_checksum_verification=True)
         table = parquet.read()
-    except Exception as err:  # any failure to parse untrusted bytes makes the shard bad
+    except MemoryError:  # this machine's trouble, not the shard's
+        raise
+    except Exception as err:  # any other failure to parse untrusted bytes makes the shard bad
         raise ShardError(f"not a readable Parquet file: {type(err).__name__}: {err}") from err
     metadata = parquet.metadata.metadata or {}
     found = metadata.get(SCHEMA_VERSION_KEY)
@@ -339,22 +342,32 @@ def read_valid_shards(
     store: RunStore, keys: Iterable[str], current_version: int, *, vocab_size: int | None = None,
     context_length: int | None = None,
 ) -> ValidShards:
-    """Read every shard of `keys`; quarantine the bad ones (logged) and return the rest."""
+    """Read every shard of `keys`; quarantine the bad ones (logged) and return the rest.
+
+    A shard that fails is read again before it is quarantined: bytes damaged on their way here
+    (the digest's reason to be) would otherwise replace a good object with their bad copy."""
     result = ValidShards()
+    decode = functools.partial(decode_shard, current_version=current_version, vocab_size=vocab_size, context_length=context_length)
     for key in keys:
         try:
             data = store.read_bytes(key)
+            try:
+                result.tables[key] = decode(data, key)
+                continue
+            except ShardError as err:
+                reason, stored = err.reason, store.read_bytes(key)
+            if stored != data:
+                result.tables[key] = decode(stored, key)
+                log.warning("shard %s was damaged on its way here (%s); read again, it is good", key, reason)
+                continue
         except FileNotFoundError:
             log.warning("shard %s disappeared before it was read; skipping it", key)
             continue
-        try:
-            result.tables[key] = decode_shard(
-                data, key, current_version=current_version, vocab_size=vocab_size, context_length=context_length
-            )
-        except ShardError as err:
-            target = quarantine_shard(store, key, data, err.reason)
-            log.warning("quarantined shard %s to %s: %s", key, target, err.reason)
-            result.quarantined[key] = err.reason
+        except ShardError as err:  # what is kept is bad too
+            reason = err.reason
+        target = quarantine_shard(store, key, stored, reason)
+        log.warning("quarantined shard %s to %s: %s", key, target, reason)
+        result.quarantined[key] = reason
     return result
 
 

@@ -246,6 +246,18 @@ def test_damaged_shards_are_quarantined_and_the_reader_goes_on(store: RunStore):
     assert not read_valid_shards(store, list_shards(store), current_version=5).quarantined
 
 
+def test_a_shard_damaged_on_its_way_is_read_again_not_quarantined(store: RunStore, monkeypatch):
+    """The digest catches bytes damaged in transit too: quarantining the bytes that came would
+    replace the good object with their bad copy, and lose its group."""
+    key = write_shard(store, make_rollouts(), "gen0", 0).key
+    stored, read_bytes = store.read_bytes(key), store.read_bytes
+    flipped = iter([stored[: len(stored) // 2]])
+    monkeypatch.setattr(store, "read_bytes", lambda k, *args: next(flipped, None) or read_bytes(k, *args))
+    result = read_valid_shards(store, [key], current_version=5)
+    assert list(result.tables) == [key] and not result.quarantined
+    assert read_bytes(key) == stored and not store.exists(f"quarantine/{key}")
+
+
 def _break_loss_mask_length(rollouts):
     rollouts[1].loss_mask = rollouts[1].loss_mask[:-1]
 
