@@ -27,7 +27,7 @@ from configs import DEPLOYED_CONFIG, ConfigError, load_config
 from configs.fields import MAX_SLOTS, RunId
 from configs.schema import RunConfig, StorageConfig
 from flows.pipeline import pipeline, score_snapshot
-from infra.storage import StorageRejected, open_run_store
+from infra.storage import open_run_store
 from tasks.checkpoints import latest_checkpoint_step
 from tasks.evaluation import evaluation_setup, is_score, same_setup
 from tasks.metrics import MetricsLog, read_metrics
@@ -88,10 +88,14 @@ def retrain(
     store = open_run_store(config.storage, config.run_id)
     version, setup = summary["eval_versions"][1], evaluation_setup(config)  # the version scored, not LATEST read again
     current = read_promoted(source_store)
-    if current is not None and (current.setup != setup or not is_score(current.score)):  # null: an earlier version's NaN
-        current = _rescored(current, config, source_store, reach)
+    holder = _promoted_run(current, source, source_store, reach) if current is not None else None
+    if holder is None:
+        current = None
+    elif current.setup != setup or not is_score(current.score):  # null: an earlier version's NaN
+        current = _rescored(current, config, holder, source_store)
     bar = current.score if current is not None else _bar(config, store, source_store, version, summary)
-    moved = promote_if_better(source_store, store, version, summary["eval_after"], bar, setup)
+    previous_store = open_run_store(holder.storage, holder.run_id) if holder is not None else None
+    moved = promote_if_better(source_store, store, version, summary["eval_after"], bar, setup, previous_store)
     promoted = read_promoted(source_store)
     verdict = "promoted" if moved else "not promoted"
     MetricsLog(store, "retrain", flush_seconds=0).log("compared", version=version, score=summary["eval_after"], verdict=verdict,
@@ -101,19 +105,37 @@ def retrain(
     return {"run_id": config.run_id, "version": version, "score": summary["eval_after"], "promoted": moved}
 
 
-def _rescored(promoted: Promotion, config: RunConfig, source_store, reach: list[str]) -> Promotion | None:
+def _promoted_run(promoted: Promotion, source: RunConfig, source_store, reach: list[str]) -> RunConfig | None:
+    """The config of the run holding the snapshot PROMOTED names, if that snapshot is still
+    there; None, said so, if it or its run is gone (the comparison then goes as with nothing
+    promoted: its score is of weights nobody can load). A run that storage refuses to show (its
+    credentials) fails the retrain instead: taken for gone, a worse candidate could replace it."""
+    try:
+        holder = source if promoted.run_url == source_store.url else load_run_config(promoted.run_url, reach)
+        present = promoted.version in snapshot_versions(open_run_store(holder.storage, holder.run_id))
+    except (ConfigError, FileNotFoundError) as err:  # its run deleted
+        print(f"PROMOTED names v{promoted.version} of {promoted.run_url}, whose run is gone ({err}): compared as if "
+              "nothing were promoted")  # fmt: skip
+        return None
+    if not present:
+        print(f"PROMOTED names v{promoted.version} of {promoted.run_url}, which is no longer there: compared as if nothing "
+              "were promoted")  # fmt: skip
+        return None
+    return holder
+
+
+def _rescored(promoted: Promotion, config: RunConfig, holder: RunConfig, source_store) -> Promotion | None:
     """PROMOTED's snapshot scored under `config`'s evaluation setup, and so recorded; None (the
-    comparison then goes as with nothing promoted) if that snapshot is gone. Its score of another
-    setup (other held-out prompts, rules or lengths; before setups were recorded, the held-out
-    split that let operand-swapped twins of training problems in) compares with nothing measured
-    now: a fair candidate could lose to it for good, or an unfair one beat it."""
+    comparison then goes as with nothing promoted) if that snapshot is gone meanwhile. Its score
+    of another setup (other held-out prompts, rules or lengths; before setups were recorded, the
+    held-out split that let operand-swapped twins of training problems in) compares with nothing
+    measured now: a fair candidate could lose to it for good, or an unfair one beat it."""
     print(f"PROMOTED, v{promoted.version} of {promoted.run_url} ({promoted.score}), was scored under another "
           "evaluation setup: scoring it under this one")  # fmt: skip
+    scoring = config.model_copy(update={"run_id": holder.run_id, "storage": holder.storage})
     try:
-        holder = load_run_config(promoted.run_url, reach)
-        scoring = config.model_copy(update={"run_id": holder.run_id, "storage": holder.storage})
         record = score_snapshot(scoring, open_run_store(scoring.storage, scoring.run_id), promoted.version)
-    except (SnapshotMissing, ConfigError, FileNotFoundError, StorageRejected) as err:  # its run deleted, or out of reach
+    except SnapshotMissing as err:  # retired since it was checked
         print(f"PROMOTED's snapshot cannot be scored again ({err}): compared as if nothing were promoted")
         return None
     return rescore_promoted(source_store, promoted, record["score"], record["setup"])

@@ -124,7 +124,7 @@ def test_a_promoted_score_of_another_setup_is_measured_again_under_this_one(file
     it, and lost to a leaky score for good (or beat one that was harder). Its snapshot is scored
     under the retrain's setup (here a score already recorded for it) and PROMOTED records that."""
     from configs.schema import RunConfig
-    from flows.retrain import _rescored
+    from flows.retrain import _promoted_run, _rescored
     from tasks.evaluation import evaluation_setup
     from tasks.metrics import MetricsLog
     from tasks.promotion import Promotion
@@ -141,12 +141,42 @@ def test_a_promoted_score_of_another_setup_is_measured_again_under_this_one(file
     MetricsLog(file_store, "evaluation", flush_seconds=0).log("evaluation", version=5, score=0.42, setup=evaluation_setup(config))
     leaky = Promotion(file_store.url, 5, 0.9, at=1.0, setup=None)
     file_store.write_atomic(PROMOTED_KEY, json.dumps(dataclasses.asdict(leaky)).encode())
-    rescored = _rescored(leaky, config, file_store, [])
+    assert _promoted_run(leaky, config, file_store, []) == config
+    rescored = _rescored(leaky, config, config, file_store)
     assert rescored == read_promoted(file_store) == Promotion(file_store.url, 5, 0.42, at=1.0, setup=evaluation_setup(config))
-    gone = Promotion(file_store.url, 7, 0.9, at=1.0)
-    assert _rescored(gone, config, file_store, []) is None, "a promoted snapshot that is gone: compared as with none"
-    deleted_run = Promotion(file_store.url.rsplit("/", 1)[0] + "/deleted", 3, 0.9, at=1.0)
-    assert _rescored(deleted_run, config, file_store, []) is None, "so is one whose run directory is gone"
+
+
+def test_a_promoted_snapshot_that_is_gone_compares_as_nothing_promoted_whatever_its_setup(file_store, tmp_path):
+    """Only a promoted score of another setup led to a look at its snapshot: one deleted (its run
+    directory removed, or retention after a lost pin) stayed the bar, and PROMOTED named weights
+    nobody could load until a candidate beat a score nobody could measure again."""
+    from configs.schema import RunConfig
+    from flows.retrain import _promoted_run
+    from tasks.promotion import Promotion
+    from tasks.rundir import write_run_config
+
+    config = RunConfig.model_validate({"run_id": "run-test", "storage": {"root": file_store.url.rsplit("/", 1)[0]}})
+    write_run_config(file_store, config)
+    assert _promoted_run(Promotion(file_store.url, 7, 0.9, at=1.0, setup="s"), config, file_store, []) is None
+    deleted_run = Promotion(file_store.url.rsplit("/", 1)[0] + "/deleted", 3, 0.9, at=1.0, setup="s")
+    assert _promoted_run(deleted_run, config, file_store, []) is None
+
+
+def test_a_snapshot_promoted_by_two_runs_keeps_a_pin_for_each_and_a_move_drops_the_old_one(file_store, tmp_path):
+    """A successor's v25 promoted in its source run, then the successor's own PROMOTED promoting
+    its v45: under one pin name the second moved the first off v25, which the successor's
+    retention then deleted under the source's PROMOTED. When the source's PROMOTED moves on, the
+    successor's pin of v25 goes (it was kept for good)."""
+    from infra.storage import open_run_store
+
+    successor = open_run_store(StorageConfig(root=f"file://{tmp_path}/runs"), "successor")
+    assert promote_if_better(file_store, successor, version=25, score=0.8, bar=0.5, setup="s")
+    assert promote_if_better(successor, successor, version=45, score=0.9, bar=0.5, setup="s")
+    assert pinned_versions(successor) == {25, 45}
+    assert promote_if_better(file_store, file_store, version=60, score=0.95, bar=0.8, setup="s", previous_store=successor)
+    assert pinned_versions(successor) == {45} and pinned_versions(file_store) == {60}
+    assert promote_if_better(file_store, successor, version=70, score=0.99, bar=0.95, setup="s", previous_store=file_store)
+    assert pinned_versions(file_store) == set() and pinned_versions(successor) == {45, 70}
 
 
 def test_a_score_recorded_as_null_is_never_reused_nor_a_bar(file_store, tmp_path):
