@@ -126,17 +126,20 @@ def dask_task_runner(config: RunConfig) -> DaskTaskRunner:
 
 
 @contextmanager
-def worker_state_released(dask: DaskTaskRunner, fleet: EngineFleet, store: RunStore) -> Iterator[None]:
+def worker_state_released(dask: DaskTaskRunner, fleet: EngineFleet, store: RunStore, cluster_outlives_run: bool) -> Iterator[None]:
     """On the way out, every worker of `dask`'s cluster closes its clients of `fleet`'s engines
-    and forgets the run's tokenizer (tasks/generator.py `release_worker_state`). A LocalCluster
-    ends with the run; the workers at dask.address serve run after run and would keep them."""
+    and forgets the run's tokenizer (tasks/generator.py `release_worker_state`), if the cluster
+    outlives the run: the workers at dask.address serve run after run and would keep them, while
+    a LocalCluster ends with the run (and one whose run failed before its first chunk is not
+    even started: asking its workers would start it)."""
     try:
         yield
     finally:
-        try:
-            dask.client.run(release_worker_state, tuple(fleet.urls), store.url)
-        except Exception as err:  # the run's own outcome matters more
-            print(f"could not release the Dask workers' engine clients: {err!r}")
+        if cluster_outlives_run:
+            try:
+                dask.client.run(release_worker_state, tuple(fleet.urls), store.url)
+            except Exception as err:  # the run's own outcome matters more
+                print(f"could not release the Dask workers' engine clients: {err!r}")
 
 
 @flow(name="generation", log_prints=True)
@@ -165,7 +168,8 @@ def _generate(config: RunConfig, producer: str, cache: Path, pipeline: PipelineW
     totals = {"groups": 0, "samples": 0, "engine_restarts": 0, "weight_updates": 0}
     fleet = EngineFleet(config.engine, config.generation.engines, model_dir, version, cache / "logs", first_engine_of(config, producer))
     in_flight: list[_Chunk] = []
-    with dask_task_runner(config) as dask, worker_state_released(dask, fleet, store), fleet, InFlightReport(store, producer, in_flight) as reported:
+    with (dask_task_runner(config) as dask, fleet, worker_state_released(dask, fleet, store, bool(config.dask.address)),
+          InFlightReport(store, producer, in_flight) as reported):  # fmt: skip
         metrics.log("engines_started", version=version, engines=fleet.describe(), pid=os.getpid())
         generator = Generator(config, producer, fleet, cache)
         _recover_records(metrics, generator, config.generation.samples_per_prompt)

@@ -90,7 +90,7 @@ def _two_runs_on_one_cluster() -> list:
     with dask_task_runner(config) as dask:
         dask.client.run(_open_engine_client, ("http://127.0.0.1:10",))  # another run's, still going
         this_run = (SimpleNamespace(urls=["http://127.0.0.1:11"]), SimpleNamespace(url="file:///runs/11"))
-        with worker_state_released(dask, *this_run):
+        with worker_state_released(dask, *this_run, cluster_outlives_run=True):  # as a cluster at dask.address does
             dask.client.run(_open_engine_client, ("http://127.0.0.1:11",))
         return list(dask.client.run(_worker_state).values())
 
