@@ -43,7 +43,7 @@ def retrain(
     run_id: RunId = "tiny-deployed",
     steps: Annotated[int, Field(ge=1, le=10_000_000)] = 20,
     new_run_id: RunId | None = None,
-    storage_root: Annotated[str, Field(pattern=r"^(file|s3|memory)://")] | None = None,
+    storage_root: Annotated[str, Field(pattern=r"^(?:file://|s3:///*[^/])")] | None = None,
 ) -> dict:
     """Retrain `run_id` (under `storage_root`, default: configs/deployed.yaml's) for `steps` steps.
     Under deployed.yaml's root the run directory is reached as that file says (its endpoint and
