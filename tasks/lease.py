@@ -16,9 +16,10 @@ share a host name have pid namespaces of their own, so the host name alone would
 
 Each claim opens a term: the put-if-absent of the next term's record, `lease/{term:08d}.json`,
 and the highest term is the lease. Two pipelines claiming one free or lapsed lease together both
-ask for the same next term, and only one gets it, however slow the store is to answer (object
-storage has no compare-and-swap to take over one record in place, and a write-then-read-back
-would let a write that lands late decide). A holder renews only its own term's record, so a
+ask for the same next term, and only one gets it (object storage has no compare-and-swap to take
+over one record in place, and a write-then-read-back would let a write that lands late decide);
+a claim whose term is not the highest once its write has landed (a put so slow that a later
+claim passed it, and deleted its term) is lost too. A holder renews only its own term's record, so a
 renewal that lands after a successor's claim (a holder stalled past its lease) cannot overwrite
 the successor's, and a holder that sees a later term stops renewing and logs it rather than
 take the run back. Releasing marks the holder's term released; it is never deleted, so terms
@@ -119,13 +120,14 @@ def claim_run(store: RunStore, holder: str) -> str:
 def _take(store: RunStore, holder: str) -> tuple[int, str]:
     """Claim the term after the highest for `holder`: (term, claim id)."""
     claim = uuid.uuid4().hex
+    _refuse_if_held(store, _legacy_lease(store), holder)
     for _ in range(CLAIM_ATTEMPTS):
         terms, lease = _read_terms(store)
         _refuse_if_held(store, lease, holder)
         term = (terms[-1] if terms else 0) + 1
-        if not store.put_if_absent(lease_key(term), _record(holder, claim)):
-            if (read_lease(store) or {}).get("claim") != claim:  # another claimant's term (else a retried put of ours)
-                continue
+        store.put_if_absent(lease_key(term), _record(holder, claim))  # False: another's, or a retried put of ours
+        if (read_lease(store) or {}).get("claim") != claim:  # lost the term, or won one that a later claim passed
+            continue
         for old in terms:
             try:
                 store.delete(lease_key(old))
@@ -138,6 +140,7 @@ def _take(store: RunStore, holder: str) -> tuple[int, str]:
 
 def check_run_free(store: RunStore, holder: str | None = None) -> None:
     """RunInUse unless the run's lease is free, lapsed, or `holder`'s own."""
+    _refuse_if_held(store, _legacy_lease(store), holder)
     _refuse_if_held(store, read_lease(store), holder)
 
 
@@ -150,6 +153,22 @@ def _refuse_if_held(store: RunStore, lease: dict | None, holder: str | None) -> 
         f"last seen {age:.0f} s ago: wait for it to end or cancel it; a pipeline that died is taken over "
         f"{LEASE_SECONDS:.0f} s after it was last seen"
     )
+
+
+LEGACY_LEASE_KEY = "lease.json"
+"""The one record releases before the terms kept: a pipeline of such a release may still hold it."""
+
+
+def _legacy_lease(store: RunStore) -> dict | None:
+    """The record of a pipeline of an earlier tandem release, which renews `lease.json` and sees no
+    terms: a run it holds is refused until it ends or its record lapses, as a term's would be.
+    (The other way round, such a release's children watch `lease.json` and stop at once under a
+    pipeline of this one: a deployment's workers are upgraded together.)"""
+    try:
+        lease = json.loads(store.read_bytes(LEGACY_LEASE_KEY))
+    except (FileNotFoundError, ValueError):
+        return None
+    return lease if isinstance(lease, dict) and _FIELDS <= lease.keys() else None
 
 
 def read_lease(store: RunStore) -> dict | None:

@@ -110,8 +110,7 @@ def test_of_two_pipelines_taking_over_a_lapsed_lease_together_one_wins(store: Ru
     assert outcomes[read_lease(store)["holder"]] == "won"
 
 
-@pytest.mark.parametrize("slowed", [("write_atomic",), ("put_if_absent",)])
-def test_a_takeover_whose_write_lands_late_does_not_make_two_holders(store: RunStore, slowed):
+def test_a_takeover_whose_write_lands_late_does_not_make_two_holders(store: RunStore):
     """Two pipelines take over one lapsed lease, one's writes slower than the other's whole
     claim: a claim that decided by reading its write back a second later let both win."""
     _write_lease(store, at=time.time() - lease.LEASE_SECONDS - 1)
@@ -124,13 +123,49 @@ def test_a_takeover_whose_write_lands_late_does_not_make_two_holders(store: RunS
         except RunInUse:
             outcomes[holder] = "refused"
 
-    slow = threading.Thread(target=claim, args=(_slowed(store, 1.5, slowed), "slow (1)"))
+    slow = threading.Thread(target=claim, args=(_slowed(store, 1.5), "slow (1)"))
     slow.start()
     time.sleep(0.2)
     claim(store, "fast (2)")
     slow.join()
     assert sorted(outcomes.values()) == ["refused", "won"], outcomes
     assert outcomes[read_lease(store)["holder"]] == "won"
+
+
+def test_a_claim_whose_write_lands_after_a_later_claim_is_lost(store: RunStore):
+    """The slow claimant's put of term 2 is held up while another pipeline claims term 2 and, as a
+    retried flow run of the same name, term 3, deleting term 2: the slow put then succeeds, and
+    its term is not the lease."""
+    _write_lease(store, at=time.time() - lease.LEASE_SECONDS - 1)
+    outcome: dict[str, str] = {}
+
+    def slow_claim() -> None:
+        try:
+            claim_run(_slowed(store, 1.5, ("put_if_absent",)), "slow (1)")
+            outcome["slow"] = "won"
+        except RunInUse:
+            outcome["slow"] = "refused"
+
+    slow = threading.Thread(target=slow_claim)
+    slow.start()
+    time.sleep(0.2)
+    claim_run(store, "fast (2)")
+    retried = claim_run(store, "fast (2)")
+    slow.join()
+    assert outcome == {"slow": "refused"} and read_lease(store)["claim"] == retried
+
+
+def test_a_live_lease_of_an_earlier_release_is_respected(store: RunStore):
+    """A pipeline of a release before the terms renews `lease.json` and sees no terms: a pipeline
+    of this release must not start beside it on the same run."""
+    record = {"holder": "old (1)", "claim": "c0", "where": ["elsewhere", "", ""], "pid": 1, "at": time.time()}
+    store.write_atomic(lease.LEGACY_LEASE_KEY, json.dumps(record).encode())
+    with pytest.raises(RunInUse, match=r"pipeline old \(1\)"):
+        claim_run(store, "new (2)")
+    with pytest.raises(RunInUse):
+        check_run_free(store)
+    store.write_atomic(lease.LEGACY_LEASE_KEY, json.dumps(record | {"at": time.time() - lease.LEASE_SECONDS - 1}).encode())
+    claim_run(store, "new (2)")
 
 
 def test_a_renewal_that_lands_after_a_takeover_does_not_take_the_run_back(store: RunStore, monkeypatch):
