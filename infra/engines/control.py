@@ -54,6 +54,14 @@ engine's freshness: it serves the older weights meanwhile, the others the new on
 UNANSWERED_LOAD_POLL_SECONDS = 0.5
 
 
+def _at_least(serving: str | None, version: str) -> bool:
+    """Whether an engine serving weight version `serving` has what a load of `version` gave it:
+    that version, or (tandem's versions are step numbers) a later one."""
+    if serving is None:
+        return False
+    return serving == version or (serving.isdigit() and version.isdigit() and int(serving) >= int(version))
+
+
 @dataclass
 class WeightSyncResult:
     """How one engine's update went."""
@@ -92,6 +100,11 @@ class EngineControl(EngineClient):
                 return WeightSyncResult(endpoint.url, False, endpoint.weight_version, "skipped: out of rotation, not answering")
             unanswered = endpoint.load_sent is not None
             if unanswered and (running := await self._wait_for_unanswered_load(endpoint, timeout)):
+                try:  # the caller's pre-pause (`pause`) would otherwise hold it paused while in rotation
+                    await self._control(endpoint, "/continue_generation", {}, timeout=5.0)
+                    endpoint.paused = False
+                except (*TRANSPORT_ERRORS, EngineRequestError) as err:
+                    self._mark_unhealthy(endpoint, f"continue after a skipped load failed: {err!r}")
                 return WeightSyncResult(endpoint.url, False, endpoint.weight_version, running)
             if (unless_serving or unanswered) and await self._weight_version(endpoint.url) == weight_version:
                 endpoint.weight_version = weight_version
@@ -132,8 +145,8 @@ class EngineControl(EngineClient):
         version, sent_at = endpoint.load_sent
         deadline = time.monotonic() + timeout
         while True:
-            if await self._weight_version(endpoint.url) == version:
-                endpoint.weight_version = version
+            if _at_least(serving := await self._weight_version(endpoint.url), version):  # or later: restarted on a newer one
+                endpoint.weight_version = serving
                 break
             if time.monotonic() - sent_at > UNANSWERED_LOAD_LIMIT * timeout:
                 break
