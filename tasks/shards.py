@@ -261,9 +261,9 @@ def decode_shard(
     try:
         parquet = pq.ParquetFile(pa.BufferReader(data), page_checksum_verification=True)
         table = parquet.read()
-    except MemoryError:  # this machine's trouble, not the shard's
-        raise
-    except Exception as err:  # any other failure to parse untrusted bytes makes the shard bad
+    except Exception as err:  # any failure to parse untrusted bytes makes the shard bad
+        if isinstance(err, MemoryError) and not isinstance(err, pa.ArrowException):
+            raise  # this machine's trouble, not the shard's (pyarrow's, a damaged header's size, is the shard's)
         raise ShardError(f"not a readable Parquet file: {type(err).__name__}: {err}") from err
     metadata = parquet.metadata.metadata or {}
     found = metadata.get(SCHEMA_VERSION_KEY)

@@ -348,7 +348,11 @@ def withdraw_after(store: RunStore, version: int) -> list[int]:
     another: a trainer killed inside `recommit_snapshot` left it naming a snapshot it had just
     deleted, which no publish below it could move it off."""
     later = [v for v in snapshot_versions(store) if v > version]
-    if later or latest_version(store) != version:
+    try:
+        latest = latest_version(store)
+    except ValueError:  # damaged: written anew below
+        latest = None
+    if later or latest != version:
         committed_version(store, version)  # LATEST must never name a snapshot that is not there
         store.write_atomic(LATEST_KEY, json.dumps({"version": version}).encode())
         for v in reversed(later):

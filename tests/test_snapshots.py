@@ -384,6 +384,8 @@ def test_withdrawing_moves_latest_off_a_snapshot_a_killed_recommit_deleted(store
     store.delete(f"{snapshot_prefix(2)}/{MANIFEST_NAME}")
     store.delete_prefix(snapshot_prefix(2))
     assert withdraw_after(store, 1) == [] and latest_version(store) == 1
+    store.write_atomic("weights/LATEST", b"not json")  # damaged: written anew, not a failed restart
+    assert withdraw_after(store, 1) == [] and latest_version(store) == 1
 
 
 def test_a_version_committed_with_other_weights_is_a_conflict_not_a_retried_publish(store, tmp_path) -> None:
