@@ -22,6 +22,10 @@ Files in a directory that the manifest does not list are ignored by `verify_loca
 manifest defines the content); `fetch_directory` never creates such files, so a fetched directory
 holds exactly the listed files plus MANIFEST.json.
 
+`numbered_directories` groups a listing's files by numbered directory (`weights/v00000003/`,
+`checkpoints/step00000040/`), so that one listing tells the committed directories from a killed
+write's leftovers.
+
 One writer per prefix is assumed (the trainer owns weights/ and checkpoints/); put_if_absent makes
 the commit itself single-winner even so.
 """
@@ -146,6 +150,22 @@ def commit_directory(
         store.upload(Path(local_dir) / name, f"{prefix}/{name}", take=take_files)
     data = json.dumps(manifest, indent=1, sort_keys=True).encode()
     return store.put_if_absent(manifest_key, data)
+
+
+def numbered_directories(store: RunStore, top: str, name: re.Pattern[str]) -> dict[int, set[str]]:
+    """The files of each numbered directory below `top` (`name` matches the directory's name and
+    captures its number), from one listing: {number: file names relative to the directory}.
+
+    One listing, not a request per directory: SeaweedFS lists a directory emptied by retention for
+    good, so a check of each would grow with the run's length. A directory's files say what state
+    it is in (committed: a manifest; a killed write: files but no manifest), so callers sort them
+    by that without a second request."""
+    files: dict[int, set[str]] = {}
+    for key in store.sizes(top):
+        parts = key.split("/")
+        if len(parts) >= 3 and (match := name.fullmatch(parts[1])):
+            files.setdefault(int(match.group(1)), set()).add("/".join(parts[2:]))
+    return files
 
 
 def read_manifest(store: RunStore, prefix: str) -> dict[str, Any]:

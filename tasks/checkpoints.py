@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, load_model, save_file, save_model
 
-from infra.manifest import MANIFEST_NAME, commit_directory, fetch_directory
+from infra.manifest import MANIFEST_NAME, commit_directory, fetch_directory, numbered_directories
 from infra.scratch import staging_area
 from infra.storage import RunStore
 
@@ -93,14 +93,8 @@ def checkpoint_steps(store: RunStore) -> list[int]:
 
 def _step_dirs(store: RunStore) -> tuple[list[int], list[int]]:
     """From one listing: the committed checkpoints' steps, and the steps whose directory holds
-    files but neither a manifest nor a damaged one's (`set_aside_checkpoint`), both ascending.
-    One listing, not a request per directory: SeaweedFS lists a directory emptied by retention
-    for good, so a check of each would grow with the run's length."""
-    files: dict[int, set[str]] = {}
-    for key in store.sizes(CHECKPOINTS):
-        parts = key.split("/")
-        if len(parts) >= 3 and (match := _STEP_DIR.fullmatch(parts[1])):
-            files.setdefault(int(match.group(1)), set()).add("/".join(parts[2:]))
+    files but neither a manifest nor a damaged one's (`set_aside_checkpoint`), both ascending."""
+    files = numbered_directories(store, CHECKPOINTS, _STEP_DIR)
     committed = sorted(step for step, names in files.items() if MANIFEST_NAME in names)
     uncommitted = sorted(step for step, names in files.items() if not names & {MANIFEST_NAME, DAMAGED_MANIFEST_NAME})
     return committed, uncommitted

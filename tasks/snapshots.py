@@ -56,7 +56,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from infra.manifest import MANIFEST_NAME, build_manifest, commit_directory, fetch_directory, read_manifest
+from infra.manifest import MANIFEST_NAME, build_manifest, commit_directory, fetch_directory, numbered_directories, read_manifest
 from infra.scratch import staging_area
 from infra.storage import RunStore
 
@@ -188,11 +188,7 @@ def snapshot_versions(store: RunStore) -> list[int]:
 def _version_dirs(store: RunStore) -> tuple[list[int], list[int]]:
     """From one listing: the committed versions, and those whose directory holds files but no
     manifest (a killed publish's, or a retirement's cut short), both ascending."""
-    files: dict[int, set[str]] = {}
-    for key in store.list_recursive(WEIGHTS):
-        parts = key.split("/")
-        if len(parts) >= 3 and (match := _VERSION_DIR.fullmatch(parts[1])):
-            files.setdefault(int(match.group(1)), set()).add("/".join(parts[2:]))
+    files = numbered_directories(store, WEIGHTS, _VERSION_DIR)
     committed = sorted(version for version, names in files.items() if MANIFEST_NAME in names)
     return committed, sorted(set(files) - set(committed))
 

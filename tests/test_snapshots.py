@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import json
+import re
 import shutil
 import tempfile
 import threading
@@ -29,6 +30,7 @@ from infra.manifest import (
     build_manifest,
     commit_directory,
     fetch_directory,
+    numbered_directories,
     read_manifest,
     verify_local_dir,
 )
@@ -450,6 +452,14 @@ def test_a_weight_sync_on_s3_sends_the_commit_protocol_and_nothing_more(s3_store
     with s3_requests(s3_store) as fetch:
         load_snapshot(s3_store, tmp_path / "cache", version=1)
     assert fetch == ["ListObjectsV2", "GetObject"] + ["GetObject"] * files
+
+
+def test_numbered_directories_groups_each_directorys_files_and_skips_the_rest(store: RunStore) -> None:
+    for key in ("top/v00000001/MANIFEST.json", "top/v00000001/model.safetensors", "top/v00000002/sub/part.bin",
+                "top/LATEST", "top/v3/a.bin", "top/v00000004x/a.bin", "top/.staging/v00000005/a.bin", "other/v00000006/a.bin"):
+        store.write_atomic(key, b"x")
+    found = numbered_directories(store, "top", re.compile(r"v(\d{8})"))
+    assert found == {1: {"MANIFEST.json", "model.safetensors"}, 2: {"sub/part.bin"}}
 
 
 def test_a_retried_commit_removes_what_the_killed_attempt_left(store: RunStore, tmp_path) -> None:
