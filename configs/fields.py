@@ -101,3 +101,41 @@ def _http_url(url: str) -> str:
 EndpointUrl = Annotated[str, AfterValidator(_http_url), Field(json_schema_extra={"pattern": r"^https?://[^/\s]+"})]
 """An S3 endpoint URL. botocore refuses anything else only at the first request, as a traceback
 on whichever machine makes it (a deployed run's worker)."""
+
+
+SGLANG_FLAGS_SET_BY_TANDEM = {
+    "--model-path": "the run's snapshot", "--host": "engine.host", "--port": "engine.base_port",
+    "--tp-size": "engine.tp_size", "--mem-fraction-static": "engine.mem_fraction_static",
+    "--random-seed": "the engine's index", "--base-gpu-id": "the engine's index",
+    "--weight-version": "the snapshot's version", "--dtype": "the checkpoint's dtype",
+    "--api-key": "engine.api_key", "--config": "engine.api_key",
+    "--model": "the run's snapshot", "--tensor-parallel-size": "engine.tp_size",
+}  # fmt: skip
+"""What each `sglang.launch_server` flag the launcher passes comes from (infra/engines/sglang.py),
+with SGLang's aliases of them (--model, --tensor-parallel-size)."""
+SGLANG_FLAGS_REFUSED = {
+    "--trust-remote-code": "would run Python files from the snapshot, which a run directory must never make anyone do "
+                           "(a bucket's content is data)",
+    "--enable-deterministic-inference": "seeds every request that carries no sampling_seed alike, and tandem's samples carry "
+                                        "none: every sample of a group would come out the same, and GRPO learn nothing",
+    "--admin-api-key": "would make SGLang's pause, continue, weight-load and abort endpoints take that key only, and tandem "
+                       "sends them engine.api_key",
+}  # fmt: skip
+"""`sglang.launch_server` flags that would break a run, and how (SGLang 0.5.23)."""
+
+
+def _no_flag_tandem_sets_or_refuses(args: list[str]) -> list[str]:
+    for arg in args:
+        flag = arg.split("=", 1)[0]
+        # argparse also takes an unambiguous prefix of a flag: --tp for --tp-size
+        refused = [name for name in SGLANG_FLAGS_REFUSED if flag.startswith("--") and len(flag) > 3 and name.startswith(flag)]
+        if refused:
+            raise ValueError(f"{refused[0]} {SGLANG_FLAGS_REFUSED[refused[0]]}; leave it out")
+        owned = [name for name in SGLANG_FLAGS_SET_BY_TANDEM if flag.startswith("--") and name.startswith(flag)]
+        if owned:
+            raise ValueError(f"{owned[0]} is set by tandem from {SGLANG_FLAGS_SET_BY_TANDEM[owned[0]]}; leave {flag} out")
+    return args
+
+
+SGLangArgs = Annotated[list[str], AfterValidator(_no_flag_tandem_sets_or_refuses)]
+"""Extra `sglang.launch_server` flags: none that tandem sets itself, nor one that would break a run."""

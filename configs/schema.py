@@ -5,7 +5,8 @@ A run is described by one YAML file (configs/tiny.yaml is the embedded default) 
 unknown keys, because a misspelt key that is silently ignored is the worst kind of config bug:
 the run goes ahead with a default the user thinks they changed. Field docstrings double as the
 JSON Schema descriptions (`tandem config schema`). The field types with checks of their own (run
-ids, top-k, credentials, the patterns Prefect checks at submission) are in configs/fields.py.
+ids, top-k, credentials, SGLang's extra flags, the patterns Prefect checks at submission) are in
+configs/fields.py.
 
 This package imports nothing of tandem: every other layer may import it.
 """
@@ -20,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationInfo, fi
 
 from configs.fields import (
     BLOCK_NAME_FORM, DEPLOYMENT_NAME_FORM, ENTRYPOINT_FORM, MAX_GENERATION_RUNS, MAX_SLOTS, ROOT_PATTERN, RUN_ID_FORM, TRAINER_DEVICE_FORM,
-    Credential, EndpointUrl, TopK, is_run_id, takes_a_number_not_a_boolean, whole_text_pattern,
+    Credential, EndpointUrl, SGLangArgs, TopK, is_run_id, takes_a_number_not_a_boolean, whole_text_pattern,
 )  # fmt: skip
 
 class Section(BaseModel):
@@ -86,27 +87,6 @@ class SimLatencyConfig(Section):
     """Seconds update_weights_from_disk holds generation per GB of safetensors."""
 
 
-SGLANG_FLAGS_SET_BY_TANDEM = {
-    "--model-path": "the run's snapshot", "--host": "engine.host", "--port": "engine.base_port",
-    "--tp-size": "engine.tp_size", "--mem-fraction-static": "engine.mem_fraction_static",
-    "--random-seed": "the engine's index", "--base-gpu-id": "the engine's index",
-    "--weight-version": "the snapshot's version", "--dtype": "the checkpoint's dtype",
-    "--api-key": "engine.api_key", "--config": "engine.api_key",
-    "--model": "the run's snapshot", "--tensor-parallel-size": "engine.tp_size",
-}  # fmt: skip
-"""What each `sglang.launch_server` flag the launcher passes comes from (infra/engines/sglang.py),
-with SGLang's aliases of them (--model, --tensor-parallel-size)."""
-SGLANG_FLAGS_REFUSED = {
-    "--trust-remote-code": "would run Python files from the snapshot, which a run directory must never make anyone do "
-                           "(a bucket's content is data)",
-    "--enable-deterministic-inference": "seeds every request that carries no sampling_seed alike, and tandem's samples carry "
-                                        "none: every sample of a group would come out the same, and GRPO learn nothing",
-    "--admin-api-key": "would make SGLang's pause, continue, weight-load and abort endpoints take that key only, and tandem "
-                       "sends them engine.api_key",
-}  # fmt: skip
-"""`sglang.launch_server` flags that would break a run, and how (SGLang 0.5.23)."""
-
-
 class EngineConfig(Section):
     """The inference engines: tandem's CPU engine or real SGLang servers, same HTTP API."""
 
@@ -132,25 +112,11 @@ class EngineConfig(Section):
     """Tensor-parallel size of each SGLang engine."""
     mem_fraction_static: float = Field(0.8, gt=0, lt=1)
     """Fraction of GPU memory SGLang reserves for weights and KV cache."""
-    sglang_args: list[str] = Field(default_factory=list, max_length=256)
+    sglang_args: SGLangArgs = Field(default_factory=list, max_length=256)
     """More `sglang.launch_server` flags, passed as they are after tandem's own, e.g.
     ["--max-running-requests", "64", "--attention-backend", "triton"]; not the flags tandem sets."""
     sim: SimLatencyConfig = Field(default_factory=SimLatencyConfig)
     """Latency model of `backend: sim`."""
-
-    @field_validator("sglang_args")
-    @classmethod
-    def _no_flag_tandem_sets(cls, args: list[str]) -> list[str]:
-        for arg in args:
-            flag = arg.split("=", 1)[0]
-            # argparse also takes an unambiguous prefix of a flag: --tp for --tp-size
-            refused = [name for name in SGLANG_FLAGS_REFUSED if flag.startswith("--") and len(flag) > 3 and name.startswith(flag)]
-            if refused:
-                raise ValueError(f"{refused[0]} {SGLANG_FLAGS_REFUSED[refused[0]]}; leave it out")
-            owned = [name for name in SGLANG_FLAGS_SET_BY_TANDEM if flag.startswith("--") and name.startswith(flag)]
-            if owned:
-                raise ValueError(f"{owned[0]} is set by tandem from {SGLANG_FLAGS_SET_BY_TANDEM[owned[0]]}; leave {flag} out")
-        return args
 
 
 class GenerationConfig(Section):

@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from configs.schema import SGLANG_FLAGS_SET_BY_TANDEM, EngineConfig, ModelConfig
+from configs.fields import SGLANG_FLAGS_SET_BY_TANDEM
+from configs.schema import EngineConfig, ModelConfig
 from infra.engines import api
 from infra.engines import sglang as launcher
 from infra.engines.process import EngineProcess, EngineStartError
