@@ -270,6 +270,9 @@ class EnvConfig(Section):
     """Keyword arguments passed to the environment's constructor."""
     max_turns: int = Field(2, ge=1, le=256)
     """Most model turns in one episode."""
+    step_timeout_s: float = Field(600.0, gt=0, le=86400)
+    """Most seconds one call of the environment (reset, step, truncate: a tool call) may take;
+    past it the episode's group fails, and is retried as its chunk is."""
     train_prompts: int = Field(2000, ge=1, le=100_000_000)
     """Procedurally generated training prompts."""
     eval_prompts: int = Field(200, ge=0, le=1_000_000)

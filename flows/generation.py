@@ -75,8 +75,8 @@ def generate_chunk(specs: list[GroupSpec]) -> list[GroupResult]:
     """Generate and commit a chunk of groups, fanned out on Dask; a retry skips committed groups.
 
     No task timeout: Prefect cannot interrupt a Dask worker thread. Every engine request inside
-    carries its own (engine.request_timeout_s) and a bounded retry budget, which is what bounds a
-    chunk.
+    carries its own (engine.request_timeout_s) and a bounded retry budget, and every call of the
+    environment its own (env.step_timeout_s), which is what bounds a chunk.
 
     The groups are submitted through the worker's own client (`worker_client`), which also
     secedes this thread from the worker's pool while it waits: the groups need worker threads

@@ -41,7 +41,7 @@ from infra.modelfactory import load_tokenizer
 from infra.storage import RunStore, open_run_store
 from tasks.envs import Prompt, load_environment
 from tasks.lag import SlotClaims, admission_capacity, claim_share, read_trainer_state
-from tasks.rollout import model_eos_ids, run_group
+from tasks.rollout import check_prompts_fit, model_eos_ids, run_group
 from tasks.shards import committed_slots, parse_shard_key, shard_key, write_shard
 from tasks.snapshots import (
     latest_version, load_snapshot, manifest_digest, pin_snapshot, report_rejected, snapshot_prefix, snapshot_versions,
@@ -75,6 +75,7 @@ class GroupSpec:
     env_entrypoint: str
     env_kwargs: dict = field(default_factory=dict)
     max_turns: int = 2
+    env_timeout_s: float = 600.0
     samples: int = 8
     sampling: dict = field(default_factory=dict)
     context_length: int = 64
@@ -128,7 +129,7 @@ def generate_group(spec: GroupSpec) -> GroupResult | None:
             client, lambda: env_cls(max_turns=spec.max_turns, **spec.env_kwargs), spec.prompt, spec.samples,
             tokenizer, SamplingParams(**spec.sampling), max_turns=spec.max_turns,
             context_length=spec.context_length, loaded_version=spec.loaded_version,
-            group_id=f"s{spec.slot:08d}", producer=spec.producer,
+            group_id=f"s{spec.slot:08d}", producer=spec.producer, env_timeout_s=spec.env_timeout_s,
         )  # fmt: skip
 
     rollouts = asyncio.run_coroutine_threadsafe(play(), _worker_loop()).result()
@@ -250,6 +251,7 @@ class Generator:
         `while_loading`; None otherwise."""
         self.model_eos = model_eos_ids(fleet.model_dir)
         """The model's own end tokens, which end a turn besides the tokenizer's (tasks/rollout.py)."""
+        check_prompts_fit(self.prompts, load_tokenizer(fleet.model_dir), config.model.max_position_embeddings)
         self.rejected_snapshots: dict[int, str | None] = {}
         """Version -> manifest digest of the commit that failed verification: not tried again
         until the version is committed anew (tasks/snapshots.py `recommit_snapshot`)."""
@@ -419,7 +421,7 @@ class Generator:
             loaded_version=self.loaded_version, engine_urls=tuple(self.fleet.urls),
             oldest_engine_version=min(self.fleet.engine_versions), run_id=cfg.run_id,
             storage=cfg.storage, env_entrypoint=cfg.env.entrypoint, env_kwargs=dict(cfg.env.kwargs),
-            max_turns=cfg.env.max_turns, samples=gen.samples_per_prompt, sampling=sampling,
+            max_turns=cfg.env.max_turns, env_timeout_s=cfg.env.step_timeout_s, samples=gen.samples_per_prompt, sampling=sampling,
             context_length=cfg.model.max_position_embeddings, api_key=self.fleet.api_key,
             request_timeout=cfg.engine.request_timeout_s, retry_seconds=self.fleet.restart_seconds + ENGINE_RESTART_MARGIN_SECONDS,
             hand_off_stragglers=gen.hand_off_stragglers,

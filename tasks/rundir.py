@@ -37,7 +37,8 @@ OPERATIONAL_FIELDS = (
     "training.gradient_checkpointing",
     "training.device", "training.compute_dtype", "storage.key", "storage.secret", "storage.credentials_block",
     "generation.engines",
-    "generation.prompts_per_chunk", "generation.hand_off_stragglers", "env.eval_prompts", "prefect", "dask", "engine",
+    "generation.prompts_per_chunk", "generation.hand_off_stragglers", "env.eval_prompts", "env.step_timeout_s", "prefect", "dask",
+    "engine",
 )  # fmt: skip
 """Config fields a restarted or continued run may change: how it runs and for how long, not
 what it trains on. config.json keeps the values of the run's first start. Where the run lies

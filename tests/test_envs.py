@@ -5,14 +5,18 @@ loader, and prompt files (JSONL, Parquet) with their split."""
 from __future__ import annotations
 
 import io
+import json
 import re
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from configs.schema import EnvConfig
 from infra.modelfactory import TASK_VOCABULARY, build_tokenizer
 from tasks.envs import (
     Environment,
@@ -323,3 +327,31 @@ def every_prompt(env, split: str) -> list:
     with pytest.raises(ValueError, match=r"found \d+ distinct") as too_many:
         env.prompts(split, 10_000, 0)
     return env.prompts(split, int(re.search(r"found (\d+)", str(too_many.value))[1]), 0)
+
+
+def readme_block(language: str, after: str) -> str:
+    """The first ```language block of README.md after the line `after`."""
+    text = (Path(__file__).parents[1] / "README.md").read_text()
+    return text.split(after, 1)[1].split(f"```{language}\n", 1)[1].split("```", 1)[0]
+
+
+def test_the_readmes_own_environment_trains_on_a_jsonl_file_as_configured(tmp_path):
+    """The README's example is code a user copies: it must import, split and score as it says,
+    and its YAML must be a valid env section."""
+    namespace: dict = {}
+    exec(compile(readme_block("python", "<!-- tested: tests/test_envs.py runs this block -->"), "README.md", "exec"), namespace)
+    rows = [{"text": f"what is {i} + {i}?", "answer": str(2 * i)} for i in range(200)]
+    data = tmp_path / "qa.jsonl"
+    data.write_text("\n".join(json.dumps(row) for row in rows))
+    env_section = yaml.safe_load(readme_block("yaml", "<!-- tested: tests/test_envs.py runs this block -->"))["env"]
+    env_section["kwargs"]["path"] = str(data)
+    config = EnvConfig.model_validate(env_section)
+    env = namespace["QAEnv"](max_turns=config.max_turns, **config.kwargs)
+    train, held_out = env.prompts("train", 150, seed=1), env.prompts("eval", 10, seed=1)
+    assert not {p.text for p in train} & {p.text for p in held_out}
+    with pytest.raises(ValueError, match="has 1.. train prompts, 5000 asked for"):
+        env.prompts("train", config.train_prompts, seed=1)
+    env.reset(train[0])
+    assert env.step(f" {train[0].answer}\n").reward == 1.0
+    env.reset(train[0])
+    assert env.step("no idea").reward == 0.0

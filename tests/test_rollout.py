@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+import time
 from itertools import groupby
 from pathlib import Path
 
@@ -26,7 +27,7 @@ from infra.ports import free_port_block
 from tasks.envs import Environment, Prompt, StepResult
 from tasks.envs.calculator import CalculatorEnv
 from tasks.evaluation import evaluate
-from tasks.rollout import PromptTooLong, model_eos_ids, prompt_token_ids, run_episode, run_group, turn_stop_ids, turn_text
+from tasks.rollout import EnvironmentFailed, PromptTooLong, check_prompts_fit, model_eos_ids, prompt_token_ids, run_episode, run_group, turn_stop_ids, turn_text
 from tests.conftest import committed_model_dir, reference_logprobs
 
 pytestmark = pytest.mark.slow
@@ -210,8 +211,9 @@ def test_an_evaluation_that_meets_a_reward_that_is_not_finite_fails_naming_the_p
         async with EngineClient([url]) as client:
             return await evaluate(client, model, config, version=4)
 
-    with pytest.raises(ValueError, match="held-out prompt eval-3 the reward nan"):
+    with pytest.raises(EnvironmentFailed, match="NanRewardEnv.step on prompt eval-3 returned the reward nan"):
         asyncio.run(score())
+
 
 def test_a_prompt_starts_with_bos_only_where_the_tokenizer_has_one():
     """Qwen2 and Qwen3 tokenizers have no BOS token: a None at the head of every prompt failed
@@ -320,30 +322,118 @@ class BrokenOnceEnv(ToolEnv):
 
     def step(self, action: str) -> StepResult:
         if self.broken:
-            raise RuntimeError("environment bug")
+            raise KeyError("environment bug")
         BrokenOnceEnv.steps += 1
         return StepResult(OBSERVATION, 0.0, False, {})
 
 
-def test_an_episode_that_raises_cancels_the_rest_of_its_group(engine):
-    """Before, the others played on against the engines after the group had failed, beside its retry."""
+def test_an_episode_that_raises_cancels_the_rest_of_its_group_naming_the_environment_and_prompt(engine):
+    """Before, the others played on against the engines after the group had failed, beside its retry.
+    A step already called when the group fails (its thread may run late on a busy machine) still
+    runs: at most one for each of the three others, where playing on would be dozens a second."""
     model, url = engine
     tokenizer = load_tokenizer(model)
     sampling = SamplingParams(temperature=1.0, max_new_tokens=2, ignore_eos=True)
 
     async def group_then_wait() -> tuple[int, int]:
         async with EngineClient([url]) as client:
-            with pytest.raises(RuntimeError, match="environment bug"):
-                await run_group(client, lambda: BrokenOnceEnv(50), Prompt("train-0", "1 + 2 =", "3"), 4, tokenizer, sampling,
+            with pytest.raises(EnvironmentFailed, match="BrokenOnceEnv.step on prompt train-7 raised KeyError: 'environment bug'"):
+                await run_group(client, lambda: BrokenOnceEnv(50), Prompt("train-7", "1 + 2 =", "3"), 4, tokenizer, sampling,
                                 max_turns=50, context_length=64, loaded_version=4, group_id="g0", producer="gen0")  # fmt: skip
             failed_at = BrokenOnceEnv.steps
             await asyncio.sleep(1.0)
             return failed_at, BrokenOnceEnv.steps
 
     failed_at, later = asyncio.run(group_then_wait())
-    assert later == failed_at, f"{later - failed_at} steps played after the group failed"
+    assert later - failed_at <= 3, f"{later - failed_at} steps played after the group failed"
+
+
+class SlowToolEnv(ToolEnv):
+    """A tool call that blocks for `seconds` (sleep stands in for a subprocess or an HTTP call)."""
+
+    def __init__(self, max_turns: int, seconds: float):
+        super().__init__(max_turns)
+        self.seconds = seconds
+
+    def step(self, action: str) -> StepResult:
+        time.sleep(self.seconds)
+        return super().step(action)
+
+
+def play_group(engine, make_env, samples: int, env_timeout_s: float = 600.0, max_turns: int = 1):
+    model, url = engine
+    tokenizer = load_tokenizer(model)
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=2, ignore_eos=True)
+
+    async def play():
+        async with EngineClient([url]) as client:
+            return await run_group(client, make_env, Prompt("train-3", "1 + 2 =", "3"), samples, tokenizer, sampling,
+                                   max_turns=max_turns, context_length=64, loaded_version=4, group_id="g0", producer="gen0",
+                                   env_timeout_s=env_timeout_s)  # fmt: skip
+
+    return asyncio.run(play())
+
+
+def test_blocking_tool_calls_of_a_group_run_side_by_side_off_the_event_loop(engine):
+    """Called on the event loop, eight 1-second tool calls took 8 s, and held every other episode
+    of the worker (and its engine timeouts) meanwhile."""
+    started = time.monotonic()
+    rollouts = play_group(engine, lambda: SlowToolEnv(1, seconds=1.0), samples=8)
+    took = time.monotonic() - started
+    assert [r.reward for r in rollouts] == [1.0] * 8
+    assert took < 4.0, f"8 tool calls of 1 s took {took:.1f} s: they ran one after another"
+
+
+def test_a_tool_call_that_outlasts_the_timeout_fails_its_group(engine):
+    started = time.monotonic()
+    with pytest.raises(EnvironmentFailed, match=r"SlowToolEnv.step on prompt train-3 took longer than env.step_timeout_s \(0.5 s\)"):
+        play_group(engine, lambda: SlowToolEnv(1, seconds=30.0), samples=2, env_timeout_s=0.5)
+    assert time.monotonic() - started < 10, "the group waited for the hung call"
+
+
+class PaysEachStepEnv(ToolEnv):
+    """Pays 0.25 a step, and `truncate` -1 when the turns run out."""
+
+    def step(self, action: str) -> StepResult:
+        return StepResult(OBSERVATION, 0.25, False, {})
+
+    def truncate(self) -> StepResult:
+        return StepResult("", -1.0, True, {})
+
+
+def test_an_episodes_reward_sums_its_steps_and_a_cut_by_the_turns_says_so(engine):
+    (rollout,) = play_group(engine, lambda: PaysEachStepEnv(3), samples=1, max_turns=3)
+    assert rollout.reward == pytest.approx(3 * 0.25 - 1.0), "before, only the last step's (or truncate's) reward was kept"
+    assert (rollout.turns, rollout.finish_reason) == (3, "max_turns"), "before, it read 'stop' as if the environment had ended it"
+
+
+class BadRewardEnv(ToolEnv):
+    def __init__(self, max_turns: int, reward: object):
+        super().__init__(max_turns)
+        self.reward = reward
+
+    def step(self, action: str) -> StepResult:
+        return StepResult("", self.reward, True, {})
+
+
+@pytest.mark.parametrize("reward", [float("nan"), float("inf"), 1e39, "1.0", None, True])
+def test_a_reward_a_shard_cannot_store_fails_its_group_naming_it(engine, reward):
+    """1e39 is finite in Python and inf in the shard's float32 column; the shard's own check then
+    failed the group with 'reward must be finite: row 0', naming neither environment nor prompt."""
+    with pytest.raises(EnvironmentFailed, match=r"BadRewardEnv.step on prompt train-3 returned the reward"):
+        play_group(engine, lambda: BadRewardEnv(1, reward), samples=1)
 
 
 def test_a_prompt_that_leaves_no_room_in_the_context_is_refused_naming_the_setting(engine):
     with pytest.raises(PromptTooLong, match=r"prompt train-0 is \d+ tokens.*model.max_position_embeddings"):
         play(engine, ToolEnv, max_turns=1, prompt_text=" ".join(["1"] * 70))
+
+
+def test_the_generators_check_names_every_prompt_too_long_for_the_context_before_any_is_played(engine):
+    model, _ = engine
+    tokenizer = load_tokenizer(model)
+    prompts = [Prompt(f"train-{i}", " ".join(["1"] * length), "1") for i, length in enumerate([3, 61, 62, 70, 10])]
+    check_prompts_fit(prompts[:2], tokenizer, context_length=64)  # <bos> + 61 tokens leaves one for the answer
+    with pytest.raises(PromptTooLong, match=r"^2 of the 5 training prompts .* context of 64 tokens \(model.max_position_embeddings\): "
+                                            r"train-2 \(63 tokens\), train-3 \(71 tokens\); raise it"):
+        check_prompts_fit(prompts, tokenizer, context_length=64)

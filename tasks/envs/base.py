@@ -51,8 +51,8 @@ class Segment:
 @dataclass
 class StepResult:
     """What `step` returns. `observation` is appended to the context as-is ("" when done). The
-    episode's return is the reward of its last step: earlier steps return 0.0, so summing the
-    rewards or taking the last one gives the same number."""
+    episode's reward is the sum of its steps' rewards (and `truncate`'s, when the rollout cuts it
+    short): a task may pay as it goes, or only at its last step. A reward is a finite number."""
     observation: str
     reward: float
     done: bool
@@ -80,13 +80,16 @@ class Environment(ABC):
         """Play one model turn. `action` is the turn decoded without the stop token that closed
         it (<eot>/<eos>); any other special token in it is left in as text. The observation is tool text that ends with "<eot>" so
         the model sees a turn boundary; the rollout tokenizes it as-is. Never raises on any
-        action text; raises RuntimeError when called before reset or after done."""
+        action text; raises RuntimeError when called before reset or after done. The rollout
+        calls it in a thread of its own (so it may block on a tool: a subprocess, an HTTP call),
+        one call of an episode at a time; one that raises or outlasts env.step_timeout_s fails
+        its group (tasks/rollout.py `EnvironmentFailed`)."""
 
     def truncate(self) -> StepResult:
         """End an episode the rollout cut short: the context is full, or the last allowed turn
-        did not end it. Returns the episode's reward as this task scores an episode with no
-        answer: the same as one that ran out of turns, or it pays to fill the context instead
-        (0.0 here; a task with penalties charges them). Never raises."""
+        did not end it. Its reward is added to the steps' so far: together, what this task pays an
+        episode with no answer, the same as one that ran out of turns, or it pays to fill the
+        context instead (0.0 here; a task with penalties charges them). Never raises."""
         return StepResult("", 0.0, True, {"end": "truncated"})
 
     @abstractmethod
