@@ -272,7 +272,7 @@ class EnvConfig(Section):
     """Most model turns in one episode."""
     step_timeout_s: float = Field(600.0, gt=0, le=86400)
     """Most seconds one call of the environment (reset, step, truncate: a tool call) may take;
-    past it the episode's group fails, and is retried as its chunk is."""
+    past it the episode's group is set aside in quarantine/ and another made in its place."""
     train_prompts: int = Field(2000, ge=1, le=100_000_000)
     """Procedurally generated training prompts."""
     eval_prompts: int = Field(200, ge=0, le=1_000_000)

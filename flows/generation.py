@@ -49,7 +49,8 @@ from infra.engines.fleet import EngineFleet
 from infra.scratch import scratch_dir
 from infra.storage import RunStore, open_run_store
 from tasks.generator import (
-    GroupResult, GroupSpec, Generator, SnapshotRejected, generate_group, release_worker_state, snapshot_dir_for_engines,
+    FAILED_GROUPS_IN_A_ROW_LIMIT, GroupResult, GroupSpec, Generator, SnapshotRejected, generate_group, release_worker_state,
+    snapshot_dir_for_engines,
 )  # fmt: skip
 from tasks.lag import (
     IN_FLIGHT_TTL_SECONDS, live_producers, publish_in_flight, read_trainer_state, recheck_after_restart, report_late, retire_requested,
@@ -58,6 +59,7 @@ from tasks.lag import (
 from tasks.lease import PipelineWatch
 from tasks.metrics import MetricsLog
 from tasks.placement import first_engine_of
+from tasks.rollout import EnvironmentFailed
 from tasks.snapshots import unpin_snapshot
 
 
@@ -165,7 +167,7 @@ def _generate(config: RunConfig, producer: str, cache: Path, pipeline: PipelineW
     store = pipeline.store
     model_dir, version = snapshot_dir_for_engines(config, cache, producer)
     metrics = MetricsLog(store, f"generator-{producer}")
-    totals = {"groups": 0, "samples": 0, "engine_restarts": 0, "weight_updates": 0}
+    totals = {"groups": 0, "samples": 0, "groups_failed": 0, "engine_restarts": 0, "weight_updates": 0}
     fleet = EngineFleet(config.engine, config.generation.engines, model_dir, version, cache / "logs", first_engine_of(config, producer))
     in_flight: list[_Chunk] = []
     with (dask_task_runner(config) as dask, fleet, worker_state_released(dask, fleet, store, bool(config.dask.address)),
@@ -233,6 +235,7 @@ def _generate(config: RunConfig, producer: str, cache: Path, pipeline: PipelineW
         if pipeline.successor is None:  # else the record is the successor's generator of this name
             reported.withdraw()
     totals.pop("keys", None)
+    totals.pop("failed_in_a_row", None)
     totals["retired"] = retiring.requested
     if pipeline.reason is not None:
         print(f"{producer}: stopped: {pipeline.reason}")
@@ -392,15 +395,29 @@ def _recover_records(metrics: MetricsLog, generator: Generator, samples: int) ->
 
 
 def _record(metrics: MetricsLog, totals: dict, results: list[GroupResult], version: int) -> list[str]:
-    """Log each committed group once, also one that a failed attempt of its chunk committed;
-    returns the keys of `results`."""
+    """Log each committed group once, also one that a failed attempt of its chunk committed, and
+    each group its environment failed (set aside in quarantine); returns the committed groups'
+    keys. EnvironmentFailed once FAILED_GROUPS_IN_A_ROW_LIMIT groups in a row have failed."""
     for result in results:
-        if result.key not in totals.setdefault("keys", set()):
-            totals["keys"].add(result.key)
+        if result.key in totals.setdefault("keys", set()):
+            continue
+        totals["keys"].add(result.key)
+        if result.failure is not None:
+            totals["groups_failed"] += 1
+            totals["failed_in_a_row"] = totals.get("failed_in_a_row", 0) + 1
+            metrics.log("group_failed", slot=result.slot, key=result.key, error=result.failure[:2000], loaded_version=version)
+            print(f"group of slot {result.slot} set aside in quarantine/{result.key}, another made in its place: {result.failure[:500]}")
+            if totals["failed_in_a_row"] >= FAILED_GROUPS_IN_A_ROW_LIMIT:
+                raise EnvironmentFailed(
+                    f"{totals['failed_in_a_row']} groups in a row failed in the environment, each set aside in quarantine/ with "
+                    f"its traceback: a bug or a tool that is down, not bad luck. The last: {result.failure}"
+                )  # fmt: skip
+        else:
+            totals["failed_in_a_row"] = 0
             totals["groups"] += 1
             totals["samples"] += result.samples
             metrics.log("group", slot=result.slot, key=result.key, samples=result.samples,
                         reward_mean=result.reward_mean, policy_version=result.policy_version,
                         loaded_version=version, started_at=result.started_at, finished_at=result.finished_at,
                         tokens=result.tokens, tokens_per_second=result.tokens / max(result.finished_at - result.started_at, 1e-9))  # fmt: skip
-    return [result.key for result in results]
+    return [result.key for result in results if result.failure is None]

@@ -19,10 +19,12 @@ regenerates the same prompt and the group id (the slot) is stable across retries
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import shutil
 import threading
 import time
+import traceback
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -41,8 +43,8 @@ from infra.modelfactory import load_tokenizer
 from infra.storage import RunStore, open_run_store
 from tasks.envs import Prompt, load_environment
 from tasks.lag import SlotClaims, admission_capacity, claim_share, read_trainer_state
-from tasks.rollout import check_prompts_fit, model_eos_ids, run_group
-from tasks.shards import committed_slots, parse_shard_key, shard_key, write_shard
+from tasks.rollout import EnvironmentFailed, PromptTooLong, check_prompts_fit, model_eos_ids, run_group
+from tasks.shards import committed_slots, parse_shard_key, quarantine_shard, shard_key, write_shard
 from tasks.snapshots import (
     latest_version, load_snapshot, manifest_digest, pin_snapshot, report_rejected, snapshot_prefix, snapshot_versions,
 )  # fmt: skip
@@ -54,6 +56,11 @@ MAX_ABORTS_PER_SLOT = 3
 """Tries of a group aborted while training goes on before its generator gives the slot up."""
 REJECTION_RECHECK_SECONDS = 5.0
 """How often a generator looks whether a snapshot it rejected has been committed again."""
+FAILED_GROUPS_IN_A_ROW_LIMIT = 8
+"""Groups whose environment failed, one after another at a generator, that stop the run: an
+environment that fails every episode (a bug, a tool server that is down) stops it within a chunk
+or two, where setting each group aside would go through the whole data set; one that fails now
+and then (a flaky sandbox) costs only the groups it fails."""
 ENGINE_RESTART_MARGIN_SECONDS = 60.0
 """A request's wait for an engine beyond the engines' restart time: the generator notices the
 death at its next loop turn, and the client's probe the restarted engine within a second."""
@@ -103,6 +110,9 @@ class GroupResult:
     finished_at: float
     tokens: int = 0
     """Tokens the model generated in the group (its loss-mask tokens)."""
+    failure: str | None = None
+    """Why the environment failed the group, which was set aside in quarantine (`key`: the key its
+    shard would have had) instead of committed; None for a committed group."""
 
 
 def generate_group(spec: GroupSpec) -> GroupResult | None:
@@ -112,12 +122,16 @@ def generate_group(spec: GroupSpec) -> GroupResult | None:
     generation flow then aborts the engines' requests, so that a finished run does not wait for
     up to max_lag + 1 batches nobody will train), or an abort ended one of its episodes. Its slot
     stays claimed and uncommitted: a continued run regenerates it first, and during the run the
-    generator does (`Generator.requeue_unfinished`); a half-played group is never committed."""
+    generator does (`Generator.requeue_unfinished`); a half-played group is never committed.
+    A group its environment failed is set aside (`_set_aside`): its result says why."""
     started = time.time()
     store = open_run_store(spec.storage, spec.run_id)
     existing = _committed_shard(store, spec)
     if existing is not None:
         return GroupResult(spec.slot, existing, False, spec.samples, 0.0, -1, started, time.time())
+    if store.exists(f"quarantine/{shard_key(spec.loaded_version, spec.producer, spec.slot)}"):  # a retried chunk's
+        return GroupResult(spec.slot, shard_key(spec.loaded_version, spec.producer, spec.slot), False, 0, 0.0, spec.loaded_version,
+                           started, time.time(), failure="the environment failed it in an earlier try of its chunk")  # fmt: skip
     if read_trainer_state(store).done:
         return None
     tokenizer = _tokenizer(store)
@@ -132,7 +146,10 @@ def generate_group(spec: GroupSpec) -> GroupResult | None:
             group_id=f"s{spec.slot:08d}", producer=spec.producer, env_timeout_s=spec.env_timeout_s,
         )  # fmt: skip
 
-    rollouts = asyncio.run_coroutine_threadsafe(play(), _worker_loop()).result()
+    try:
+        rollouts = asyncio.run_coroutine_threadsafe(play(), _worker_loop()).result()
+    except (EnvironmentFailed, PromptTooLong) as failure:
+        return _set_aside(store, spec, failure, started)
     if any(r.finish_reason == "abort" for r in rollouts):
         return None
     written = write_shard(store, rollouts, spec.producer, spec.slot, context_length=spec.context_length)
@@ -141,6 +158,20 @@ def generate_group(spec: GroupSpec) -> GroupResult | None:
         spec.slot, written.key, written.created, len(rollouts), sum(rewards) / len(rewards),
         min(r.policy_version for r in rollouts), started, time.time(), sum(sum(r.loss_mask) for r in rollouts),
     )  # fmt: skip
+
+
+def _set_aside(store: RunStore, spec: GroupSpec, failure: Exception, started: float) -> GroupResult:
+    """Quarantine the record of a group its environment failed (the error, its traceback, the
+    prompt), under the key its shard would have had: the trainer counts it lost, generators make
+    another group in its place, and the slot counts as committed, so that its prompt, which may
+    fail every time, is not played again. The user's environment is not the run's to crash:
+    a tool that fails now and then costs its groups only (the generation flow stops a run whose
+    environment fails group after group: FAILED_GROUPS_IN_A_ROW_LIMIT)."""
+    key = shard_key(spec.loaded_version, spec.producer, spec.slot)
+    record = {"slot": spec.slot, "prompt_id": spec.prompt.prompt_id, "env": spec.env_entrypoint, "error": str(failure),
+              "traceback": "".join(traceback.format_exception(failure))}  # fmt: skip
+    quarantine_shard(store, key, json.dumps(record, indent=1).encode(), f"the environment failed the group: {failure}")
+    return GroupResult(spec.slot, key, True, 0, 0.0, spec.loaded_version, started, time.time(), failure=str(failure))
 
 
 def _committed_shard(store, spec: GroupSpec) -> str | None:

@@ -7,7 +7,8 @@
    dropping what is left there as stale, as it does with the groups generators report as
    committed after that look (tasks/lag.py "Late groups"). Groups are picked oldest first (tasks/lag.py
    `select_batch`), read and validated; a bad shard goes to quarantine and another group
-   takes its place; with training.dynamic_sampling a group whose rewards are all one is
+   takes its place, as a group that a generator set aside in quarantine when its environment
+   failed does; with training.dynamic_sampling a group whose rewards are all one is
    dropped, and another takes its place. It waits (polling, counted as idle time) until
    `prompts_per_step` trainable groups are there, and while a batch would take younger groups before the
    last-chance groups still in flight (tasks/lag.py `waits_for_last_chance`).
@@ -64,7 +65,8 @@ REPAIR_AFTER_WAIT_SECONDS = 20.0
 MAX_RECOMMITS = 3
 """How many times the trainer commits one version again after generators found it damaged."""
 LATE_CHECK_SECONDS = 5.0
-"""How often a waiting trainer looks for groups reported late: also at the start of every admit,
+"""How often a waiting trainer looks for groups reported late and for groups set aside in
+quarantine: also at the start of every admit,
 so a late group is counted lost within a step, or within this while the trainer waits (a stall
 that late groups cause is one where it waits)."""
 
@@ -134,8 +136,7 @@ class Learner:
                 f"start the run again to resume from {f'step {older}' if older is not None else 'v0'}"
             ) from err
         self.ledger = Ledger.from_json(state.extra["ledger"])
-        for key in sorted(quarantined_keys(self.store) - set(self.ledger.disposed)):
-            self._dispose(key, "quarantined", samples=1)  # moved after the checkpoint: never listed again
+        self._count_quarantined()  # moved after the checkpoint: never listed again
         # One directory below the window: the admit that would have given it its last look comes
         # after this checkpoint, and a group committed there after the dead trainer's own look
         # was checked by its generator against a state before this step.
@@ -162,6 +163,7 @@ class Learner:
                 return None
             if time.monotonic() - late_checked >= LATE_CHECK_SECONDS:
                 self._drop_late(seen_groups)
+                self._count_quarantined()
                 self._repair_rejected_snapshots(waited=time.monotonic() - started)
                 late_checked = time.monotonic()
             if self.ledger.lost_groups != shared_losses:
@@ -319,6 +321,14 @@ class Learner:
         late = [key for key in late_shard_keys(self.store)
                 if key not in self.ledger.disposed and lag_of(self.version, parse_shard_key(key).version) > max_lag]  # fmt: skip
         self._drop_stale(late, accounted)
+
+    def _count_quarantined(self) -> None:
+        """Count lost the groups in quarantine/ that this trainer has not disposed of: a generator
+        sets aside there a group whose environment failed (tasks/generator.py), and a dead
+        trainer what it quarantined after its last checkpoint. Lost, they are owed a replacement:
+        the capacity they held would otherwise stall the run (at max_lag 0, one group short)."""
+        for key in sorted(quarantined_keys(self.store) - set(self.ledger.disposed)):
+            self._dispose(key, "quarantined", samples=1)
 
     def _repair_rejected_snapshots(self, waited: float) -> None:
         """Answer the generators' reports of a snapshot damaged after its commit

@@ -37,13 +37,14 @@ from tasks.shards import list_shards  # noqa: E402
 SUMMARY_KEY = "summary.json"
 
 
-def generator_records(store: RunStore) -> dict[str, dict]:
-    """Shard key -> the generator's record of it, over every generator of the run."""
+def generator_records(store: RunStore, event: str = "group") -> dict[str, dict]:
+    """Shard key -> the generator's record of it, over every generator of the run: of a
+    committed group (`event` "group"), or of one its environment failed ("group_failed")."""
     records = {}
     for key in store.list("metrics"):
         name = key.rsplit("/", 1)[-1].removesuffix(".jsonl")
         if name.startswith("generator-"):
-            records |= {r["key"]: r for r in read_metrics(store, name) if r["event"] == "group"}
+            records |= {r["key"]: r for r in read_metrics(store, name) if r["event"] == event}
     return records
 
 
@@ -56,7 +57,8 @@ def accounting(store: RunStore) -> dict:
         ledger = Ledger()
     pending_keys = [k for k in list_shards(store) if k not in ledger.disposed]
     quarantined = sum(generated.get(k, {}).get("samples", 0) for k, fate in ledger.disposed.items() if fate == "quarantined")
-    foreign = [k for k in [*ledger.disposed, *pending_keys] if k not in generated]
+    failed = generator_records(store, "group_failed")  # set aside before any sample was committed: none to count
+    foreign = [k for k in [*ledger.disposed, *pending_keys] if k not in generated and k not in failed]
     foreign_rows = Counter()
     for key in foreign:
         foreign_rows[ledger.disposed.get(key, "pending")] += _rows_of(store, key)
@@ -70,7 +72,7 @@ def accounting(store: RunStore) -> dict:
         "pending": sum(generated.get(k, {}).get("samples", 0) for k in pending_keys),
     }
     accounted = sum(v for k, v in counts.items() if k != "generated")
-    return counts | {"identity_holds": accounted == counts["generated"], "foreign_shards": len(foreign),
+    return counts | {"identity_holds": accounted == counts["generated"], "foreign_shards": len(foreign), "groups_failed": len(failed),
                      "max_trained_lag": max(ledger.lags, default=0)}  # fmt: skip
 
 
@@ -140,6 +142,8 @@ def summary_rows(summary: dict) -> list[tuple[str, str]]:
         ("trainer idle fraction", f"{summary['trainer_idle_fraction']:.2f}"),
         ("samples", f"{summary['generated']} generated = {identity}: {'holds' if summary['identity_holds'] else 'BROKEN'}"),
         ("max trained lag", str(summary["max_trained_lag"])),
+        *([("groups the environment failed", f"{summary['groups_failed']}, set aside in quarantine/ with their tracebacks")]
+          if summary.get("groups_failed") else []),
     ]
 
 

@@ -13,7 +13,13 @@ from prefect.cache_policies import NONE
 from prefect.testing.utilities import prefect_test_harness
 
 from configs import TINY_CONFIG, load_config
-from flows.generation import dask_task_runner, fan_out, worker_state_released
+from configs.schema import StorageConfig
+from flows.generation import _record, dask_task_runner, fan_out, worker_state_released
+from infra.storage import open_run_store
+from tasks.generator import FAILED_GROUPS_IN_A_ROW_LIMIT, GroupResult
+from tasks.metrics import MetricsLog, read_metrics
+from tasks.rollout import EnvironmentFailed
+from tasks.shards import shard_key
 
 pytestmark = pytest.mark.slow
 
@@ -100,3 +106,23 @@ def test_a_generation_run_leaves_the_workers_without_its_engine_clients():
     clients (sessions, probes) and tokenizer for as long as they lived."""
     with prefect_test_harness():
         assert _two_runs_on_one_cluster() == [([("http://127.0.0.1:10",)], ["file:///runs/10"])]
+
+
+def test_failed_groups_are_logged_apart_and_enough_in_a_row_stop_the_run(tmp_path):
+    """A group the environment failed is no committed group (no samples, no reward, nothing to
+    report late); FAILED_GROUPS_IN_A_ROW_LIMIT of them in a row stop the run, naming the last."""
+    store = open_run_store(StorageConfig(root=f"file://{tmp_path}"), "r")
+    metrics = MetricsLog(store, "generator-gen0", flush_seconds=0)
+    totals = {"groups": 0, "samples": 0, "groups_failed": 0}
+
+    def result(slot: int, failure: str | None = None) -> GroupResult:
+        return GroupResult(slot, shard_key(0, "gen0", slot), True, 0 if failure else 4, 0.5, 0, 0.0, 1.0, failure=failure)
+
+    limit = FAILED_GROUPS_IN_A_ROW_LIMIT
+    committed = _record(metrics, totals, [result(0), *(result(s, f"E{s}") for s in range(1, limit)), result(limit)], version=0)
+    assert committed == [shard_key(0, "gen0", 0), shard_key(0, "gen0", limit)]
+    assert (totals["groups"], totals["samples"], totals["groups_failed"]) == (2, 8, limit - 1)
+    assert [r["slot"] for r in read_metrics(store, "generator-gen0") if r["event"] == "group_failed"] == list(range(1, limit))
+    failing = [result(s, f"E{s}") for s in range(limit + 1, 2 * limit + 1)]
+    with pytest.raises(EnvironmentFailed, match=rf"^{limit} groups in a row failed in the environment.*The last: E{2 * limit}$"):
+        _record(metrics, totals, failing, version=0)

@@ -9,6 +9,8 @@ start at all. A group left alone commits, so that the other two tests can fail.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import threading
 import time
 from pathlib import Path
@@ -22,7 +24,8 @@ from infra.storage import open_run_store
 from tasks.generator import Generator, generate_group, snapshot_dir_for_engines
 from tasks.lag import TrainerState, admission_capacity, publish_trainer_state
 from tasks.rundir import initialize_run
-from tasks.shards import list_shards
+from tasks.envs.arithmetic import AdditionEnv
+from tasks.shards import committed_slots, list_shards, quarantined_keys
 from tasks.snapshots import LATEST_KEY, load_snapshot, publish_snapshot_dir, snapshot_prefix, withdraw_after
 
 pytestmark = pytest.mark.slow  # every test starts an engine
@@ -253,3 +256,26 @@ def test_an_engine_that_failed_a_load_is_loaded_again(generator, monkeypatch):
     monkeypatch.setattr("tasks.generator.RELOAD_RETRY_SECONDS", 0.0)
     assert gen.refresh_weights() is None, "nothing new to fetch"
     assert gen.fleet.engine_versions == [1] and engine_info(gen)["weight_version"] == "1"
+
+
+class BrokenToolEnv(AdditionEnv):
+    """AdditionEnv whose tool is down: every step raises."""
+
+    def step(self, action: str):
+        raise ConnectionError("tool server refused the connection")
+
+
+def test_a_group_its_environment_fails_is_set_aside_with_its_traceback_and_not_played_again(generator):
+    """Before, the error failed the chunk three times and then the run, naming neither the
+    environment nor the prompt, and a flaky tool could end a run hours in."""
+    gen, store = generator
+    spec = dataclasses.replace(gen.spec(0), env_entrypoint="tests.test_generator:BrokenToolEnv")
+    result = generate_group(spec)
+    assert result.failure.startswith(f"BrokenToolEnv.step on prompt {spec.prompt.prompt_id} raised ConnectionError")
+    assert list_shards(store) == [] and quarantined_keys(store) == {result.key}
+    assert committed_slots(store) == {0: result.key}, "the slot is spent: its prompt is not played again"
+    record = json.loads(store.read_bytes(f"quarantine/{result.key}"))
+    assert record["prompt_id"] == spec.prompt.prompt_id and "ConnectionError" in record["traceback"]
+    assert "the environment failed the group" in json.loads(store.read_bytes(f"quarantine/{result.key}.reason.json"))["reason"]
+    retried = generate_group(spec)  # its chunk failed for another reason and runs again
+    assert (retried.key, retried.created) == (result.key, False) and "earlier try" in retried.failure

@@ -66,6 +66,15 @@ class CopyEnv(Environment):
         return [Segment(f"{prompt.answer} <eos>", from_model=True)]
 
 
+class FlakyCopyEnv(CopyEnv):
+    """CopyEnv whose tool fails on every third training prompt, as a sandbox that refuses some tasks."""
+
+    def step(self, action):
+        if self.prompt.prompt_id in {f"train-{i}" for i in range(1, 100, 3)}:
+            raise TimeoutError(f"sandbox for {self.prompt.prompt_id} did not answer")
+        return super().step(action)
+
+
 def run_pipeline(root: Path, overrides: list[str]) -> None:
     """`tandem run` in a process of its own, with its temporary files under root/scratch."""
     (root / "scratch").mkdir(exist_ok=True)
@@ -160,18 +169,23 @@ def test_engines_moved_to_new_weights_mid_run(finished_run: Path):
     assert {r["policy_version"] for r in groups} > {0}, "every group came from v0: engines never updated"
 
 
-def test_a_custom_environment_runs_through_the_pipeline_by_import_path(tmp_path: Path):
+def test_a_custom_environment_runs_by_import_path_and_its_failures_cost_only_their_groups(tmp_path: Path):
+    """Before, the first group the environment failed failed its chunk three times and the run."""
     run_pipeline(tmp_path, [
-        "run_id=custom", f"storage.root=file://{tmp_path}", "env.entrypoint=tests.test_pipeline:CopyEnv", "env.kwargs={}",
+        "run_id=custom", f"storage.root=file://{tmp_path}", "env.entrypoint=tests.test_pipeline:FlakyCopyEnv", "env.kwargs={}",
         "env.kwargs.length=4", "env.max_turns=1", "training.steps=2", "training.warmup_steps=3",
         "training.prompts_per_step=2", "generation.prompts_per_chunk=2", "env.eval_prompts=0", "dask.n_workers=1",
     ])  # fmt: skip
     run = tmp_path / "custom"
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == 2 and summary["identity_holds"]
+    assert summary["groups_failed"] >= 1 and summary["trained"] == 2 * 2 * 8, "the failed groups were replaced"
+    failed = [r for r in records(run, "generator-gen0") if r["event"] == "group_failed"]
+    assert failed and all("FlakyCopyEnv.step on prompt train-" in r["error"] and "raised TimeoutError" in r["error"] for r in failed)
+    assert len(list((run / "quarantine" / "rollouts").glob("v*/*.parquet"))) == summary["groups_failed"]
     assert summary["eval_before"] is None and not (run / "metrics" / "evaluation.jsonl").exists(), "eval_prompts 0: no evaluation"
     shards = list((run / "rollouts").glob("v*/*.parquet"))
-    assert shards and {pq.read_table(s, columns=["env"])["env"][0].as_py() for s in shards} == {"CopyEnv"}
+    assert shards and {pq.read_table(s, columns=["env"])["env"][0].as_py() for s in shards} == {"FlakyCopyEnv"}
     prompt = pq.read_table(shards[0], columns=["prompt_ids"])["prompt_ids"][0].as_py()
     assert 3 not in prompt, "the custom prompts are in the vocabulary (no <unk>)"
 

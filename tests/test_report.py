@@ -12,7 +12,7 @@ from infra.storage import open_run_store
 from tasks.ledger import LEDGER_KEY, Ledger
 from tasks.metrics import MetricsLog, MetricsTail, read_metrics
 from tasks.report import _union, accounting, summary_rows, train_steps, write_summary
-from tasks.shards import write_shard
+from tasks.shards import quarantine_shard, write_shard
 from tests.test_shards import make_rollouts
 
 
@@ -52,7 +52,7 @@ def test_the_identity_sees_a_lost_shard(tmp_path):
     store.write_atomic(LEDGER_KEY, json.dumps(ledger.to_json()).encode())
     assert accounting(store) | {"max_trained_lag": 0} == {
         "generated": 24, "trained": 8, "dropped_stale": 0, "dropped_no_signal": 0, "quarantined": 0, "duplicate": 0, "pending": 16,
-        "identity_holds": True, "foreign_shards": 0, "max_trained_lag": 0,
+        "identity_holds": True, "foreign_shards": 0, "groups_failed": 0, "max_trained_lag": 0,
     }  # fmt: skip
     store.delete(keys[2])  # a committed shard vanishes without the ledger knowing
     assert accounting(store)["identity_holds"] is False
@@ -73,6 +73,23 @@ def test_a_copy_of_a_shard_under_a_second_key_is_foreign_and_leaves_the_identity
     counts = accounting(store)
     assert counts["foreign_shards"] == 1 and counts["identity_holds"], counts
     assert (counts["generated"], counts["trained"], counts["duplicate"], counts["pending"]) == (16, 0, 8, 8)
+
+
+def test_a_group_the_environment_failed_is_counted_apart_and_is_not_foreign(tmp_path):
+    store = open_run_store(StorageConfig(root=f"file://{tmp_path}"), "run")
+    generator = MetricsLog(store, "generator-gen0", flush_seconds=0)
+    key = write_shard(store, make_rollouts(n=8, version=0), "gen0", 0).key
+    generator.log("group", slot=0, key=key, samples=8, started_at=1.0, finished_at=2.0)
+    failed = key.replace("000000.parquet", "000001.parquet")
+    quarantine_shard(store, failed, b'{"error": "QAEnv.step raised"}', "the environment failed the group")
+    generator.log("group_failed", slot=1, key=failed, error="QAEnv.step raised")
+    ledger = Ledger(disposed={key: "trained", failed: "quarantined"}, counts={"trained": 8, "dropped_stale": 0, "quarantined": 1, "duplicate": 0})
+    store.write_atomic(LEDGER_KEY, json.dumps(ledger.to_json()).encode())
+    counts = accounting(store)
+    assert (counts["generated"], counts["trained"], counts["quarantined"], counts["identity_holds"]) == (8, 8, 0, True)
+    assert (counts["foreign_shards"], counts["groups_failed"]) == (0, 1), "before, a failed group read as a foreign shard"
+    rows = dict(summary_rows({**counts, "eval_before": None, "steps": 1, "reward_start": 0.0, "reward_end": 0.0, "trainer_idle_fraction": 0.0}))
+    assert rows["groups the environment failed"].startswith("1, set aside in quarantine/")
 
 
 def test_the_summary_writes_both_plots(tmp_path):
