@@ -59,7 +59,7 @@ from tasks.lag import (
 from tasks.lease import PipelineWatch
 from tasks.metrics import MetricsLog
 from tasks.placement import first_engine_of
-from tasks.rollout import EnvironmentFailed
+from tasks.envthread import EnvironmentFailed
 from tasks.snapshots import unpin_snapshot
 
 
@@ -207,6 +207,7 @@ def _generate(config: RunConfig, producer: str, cache: Path, pipeline: PipelineW
             for chunk in [c for c in in_flight if c.future.wrapped_future.done()]:
                 in_flight.remove(chunk)
                 unchecked += _record(metrics, totals, results := chunk.future.result(), fleet.version)
+                _stop_if_the_environment_keeps_failing(totals)
                 if aborted := generator.requeue_unfinished(chunk.slots, results):
                     metrics.log("groups_aborted", slots=aborted)
             try:
@@ -236,6 +237,7 @@ def _generate(config: RunConfig, producer: str, cache: Path, pipeline: PipelineW
             reported.withdraw()
     totals.pop("keys", None)
     totals.pop("failed_in_a_row", None)
+    totals.pop("last_failure", None)
     totals["retired"] = retiring.requested
     if pipeline.reason is not None:
         print(f"{producer}: stopped: {pipeline.reason}")
@@ -396,8 +398,8 @@ def _recover_records(metrics: MetricsLog, generator: Generator, samples: int) ->
 
 def _record(metrics: MetricsLog, totals: dict, results: list[GroupResult], version: int) -> list[str]:
     """Log each committed group once, also one that a failed attempt of its chunk committed, and
-    each group its environment failed (set aside in quarantine); returns the committed groups'
-    keys. EnvironmentFailed once FAILED_GROUPS_IN_A_ROW_LIMIT groups in a row have failed."""
+    each group its environment failed (set aside: tasks/failed_groups.py), and count those in a
+    row; returns the committed groups' keys."""
     for result in results:
         if result.key in totals.setdefault("keys", set()):
             continue
@@ -405,13 +407,9 @@ def _record(metrics: MetricsLog, totals: dict, results: list[GroupResult], versi
         if result.failure is not None:
             totals["groups_failed"] += 1
             totals["failed_in_a_row"] = totals.get("failed_in_a_row", 0) + 1
+            totals["last_failure"] = result.failure
             metrics.log("group_failed", slot=result.slot, key=result.key, error=result.failure[:2000], loaded_version=version)
-            print(f"group of slot {result.slot} set aside in quarantine/{result.key}, another made in its place: {result.failure[:500]}")
-            if totals["failed_in_a_row"] >= FAILED_GROUPS_IN_A_ROW_LIMIT:
-                raise EnvironmentFailed(
-                    f"{totals['failed_in_a_row']} groups in a row failed in the environment, each set aside in quarantine/ with "
-                    f"its traceback: a bug or a tool that is down, not bad luck. The last: {result.failure}"
-                )  # fmt: skip
+            print(f"group of slot {result.slot} set aside ({result.key}), another made in its place: {result.failure[:500]}")
         else:
             totals["failed_in_a_row"] = 0
             totals["groups"] += 1
@@ -421,3 +419,13 @@ def _record(metrics: MetricsLog, totals: dict, results: list[GroupResult], versi
                         loaded_version=version, started_at=result.started_at, finished_at=result.finished_at,
                         tokens=result.tokens, tokens_per_second=result.tokens / max(result.finished_at - result.started_at, 1e-9))  # fmt: skip
     return [result.key for result in results if result.failure is None]
+
+
+def _stop_if_the_environment_keeps_failing(totals: dict) -> None:
+    """EnvironmentFailed once FAILED_GROUPS_IN_A_ROW_LIMIT groups in a row have failed: a bug or
+    a tool that is down, which setting groups aside would only carry through the data set."""
+    if totals.get("failed_in_a_row", 0) >= FAILED_GROUPS_IN_A_ROW_LIMIT:
+        raise EnvironmentFailed(
+            f"{totals['failed_in_a_row']} groups in a row failed in the environment, each set aside with its traceback in "
+            f"quarantine/failed-groups/: a bug or a tool that is down, not bad luck. The last: {totals['last_failure']}"
+        )  # fmt: skip

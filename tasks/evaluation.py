@@ -71,7 +71,7 @@ async def evaluate(client: EngineClient, model_dir: Path, config: RunConfig, ver
     async def one(prompt):
         async with limit:
             return await run_episode(
-                client, make_env(), prompt, tokenizer, greedy, max_turns=config.env.max_turns,
+                client, make_env, prompt, tokenizer, greedy, max_turns=config.env.max_turns,
                 context_length=config.model.max_position_embeddings, loaded_version=version,
                 group_id=f"eval-{prompt.prompt_id}", producer="eval", env_timeout_s=config.env.step_timeout_s,
             )  # fmt: skip

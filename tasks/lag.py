@@ -53,6 +53,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from infra.storage import RunStore
+from tasks.failed_groups import failed_group_slots
 from tasks.shards import SHARD_KEY_PATTERN, committed_slots, parse_shard_key
 from tasks.snapshots import snapshot_versions, withdraw_after
 
@@ -306,7 +307,8 @@ def adopt_orphaned_claims(store: RunStore, producers: Sequence[str], groups_per_
     was given.
 
     A run ends with its generators' last groups claimed and aborted, and only a run of the
-    claiming producer's id generates them. A continued run with fewer generators (a retrain
+    claiming producer's id generates them. (A slot whose group was set aside,
+    tasks/failed_groups.py, is spent, not orphaned.) A continued run with fewer generators (a retrain
     after `tandem scale` or autoscale added some, a config with fewer prefect.generators) would
     never generate the missing ones' claims, and their capacity would stay held: past max_lag
     batches of them, the trainer waits for ever. A producer whose in-flight record is still
@@ -315,7 +317,7 @@ def adopt_orphaned_claims(store: RunStore, producers: Sequence[str], groups_per_
     if not producers:
         raise ValueError("no producer to hand the claims to")
     registry = SlotClaims(store, "pipeline", groups_per_step)
-    owners = registry.claims(exclude=set(committed_slots(store)))
+    owners = registry.claims(exclude=set(committed_slots(store)) | set(failed_group_slots(store)))
     keep = set(producers) | live_producers(store)  # a generator of an earlier pipeline still at work keeps its own
     orphaned = sorted(slot for slot, owner in owners.items() if owner not in keep)
     given: dict[str, list[int]] = {producer: [] for producer in producers}

@@ -7,8 +7,8 @@
    dropping what is left there as stale, as it does with the groups generators report as
    committed after that look (tasks/lag.py "Late groups"). Groups are picked oldest first (tasks/lag.py
    `select_batch`), read and validated; a bad shard goes to quarantine and another group
-   takes its place, as a group that a generator set aside in quarantine when its environment
-   failed does; with training.dynamic_sampling a group whose rewards are all one is
+   takes its place, as a group that a generator set aside when its environment failed
+   (tasks/failed_groups.py) does; with training.dynamic_sampling a group whose rewards are all one is
    dropped, and another takes its place. It waits (polling, counted as idle time) until
    `prompts_per_step` trainable groups are there, and while a batch would take younger groups before the
    last-chance groups still in flight (tasks/lag.py `waits_for_last_chance`).
@@ -46,6 +46,7 @@ from infra.storage import RunStore
 from tasks.checkpoints import (
     CheckpointDamaged, apply_checkpoint_retention, latest_checkpoint_step, load_checkpoint, save_checkpoint, set_aside_checkpoint,
 )  # fmt: skip
+from tasks.failed_groups import failed_group_slots
 from tasks.ledger import LEDGER_KEY, LOST_FATES, Ledger
 from tasks.lag import (
     Candidate, TrainerState, forget_late, groups_in_flight, lag_of, late_shard_keys, publish_trainer_state, select_batch,
@@ -323,10 +324,13 @@ class Learner:
         self._drop_stale(late, accounted)
 
     def _count_quarantined(self) -> None:
-        """Count lost the groups in quarantine/ that this trainer has not disposed of: a generator
-        sets aside there a group whose environment failed (tasks/generator.py), and a dead
-        trainer what it quarantined after its last checkpoint. Lost, they are owed a replacement:
-        the capacity they held would otherwise stall the run (at max_lag 0, one group short)."""
+        """Count lost the groups in quarantine/ that this trainer has not disposed of: those a
+        generator set aside when their environment failed (tasks/failed_groups.py, no samples),
+        and the shards a dead trainer quarantined after its last checkpoint. Lost, they are owed a
+        replacement: the capacity they held would otherwise stall the run (at max_lag 0, one group
+        short). One listing each, at each admission and every LATE_CHECK_SECONDS of its wait."""
+        for key in sorted(set(failed_group_slots(self.store).values()) - set(self.ledger.disposed)):
+            self._dispose(key, "quarantined", samples=0)
         for key in sorted(quarantined_keys(self.store) - set(self.ledger.disposed)):
             self._dispose(key, "quarantined", samples=1)
 

@@ -13,7 +13,8 @@ the trainer would break the equality, which is why it is checked rather than der
 A shard that no generator recorded (a copy of a shard under a second key, say) is foreign: it is
 counted apart (`foreign_shards`) and its rows are taken out of the ledger's counts, since they
 were never generated. The learner trains a group once whichever copy it reads first, and
-disposes of the other as a duplicate.
+disposes of the other as a duplicate. A group its environment failed (tasks/failed_groups.py)
+holds no sample: it is counted apart (`groups_failed`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 
 from infra.storage import RunStore  # noqa: E402
+from tasks.failed_groups import failed_group_slots  # noqa: E402
 from tasks.ledger import COUNTS, LEDGER_KEY, Ledger  # noqa: E402
 from tasks.metrics import read_metrics  # noqa: E402
 from tasks.shards import list_shards  # noqa: E402
@@ -37,14 +39,13 @@ from tasks.shards import list_shards  # noqa: E402
 SUMMARY_KEY = "summary.json"
 
 
-def generator_records(store: RunStore, event: str = "group") -> dict[str, dict]:
-    """Shard key -> the generator's record of it, over every generator of the run: of a
-    committed group (`event` "group"), or of one its environment failed ("group_failed")."""
+def generator_records(store: RunStore) -> dict[str, dict]:
+    """Shard key -> the generator's record of it, over every generator of the run."""
     records = {}
     for key in store.list("metrics"):
         name = key.rsplit("/", 1)[-1].removesuffix(".jsonl")
         if name.startswith("generator-"):
-            records |= {r["key"]: r for r in read_metrics(store, name) if r["event"] == event}
+            records |= {r["key"]: r for r in read_metrics(store, name) if r["event"] == "group"}
     return records
 
 
@@ -57,7 +58,7 @@ def accounting(store: RunStore) -> dict:
         ledger = Ledger()
     pending_keys = [k for k in list_shards(store) if k not in ledger.disposed]
     quarantined = sum(generated.get(k, {}).get("samples", 0) for k, fate in ledger.disposed.items() if fate == "quarantined")
-    failed = generator_records(store, "group_failed")  # set aside before any sample was committed: none to count
+    failed = set(failed_group_slots(store).values())  # set aside with no sample: none to count
     foreign = [k for k in [*ledger.disposed, *pending_keys] if k not in generated and k not in failed]
     foreign_rows = Counter()
     for key in foreign:

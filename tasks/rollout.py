@@ -13,12 +13,10 @@ kept exactly as the engine returned them (never decoded and re-encoded), with th
 behaviour logprobs and loss_mask 1; environment tokens are encoded once, with loss_mask 0 and
 logprob 0. So what the trainer scores is byte-for-byte what the engine sampled.
 
-The environment is the user's code: each call of it (`reset`, `step`, `truncate`) runs in a
-thread of its own, so that a slow tool call holds only its own episode, never the event loop that
-every episode of a Dask worker shares, and is bounded by `env.step_timeout_s`. What it does
-wrong (raises, hangs, returns a reward that is not a finite float32) fails the group as
-`EnvironmentFailed`, naming the environment, the call and the prompt. An episode's reward is the
-sum of its steps' rewards (and `truncate`'s, when the rollout cut it short).
+The environment is the user's code: it is built and called on a thread of the episode's own
+(tasks/envthread.py), each call bounded by `env.step_timeout_s`, and what it does wrong fails the
+group as `EnvironmentFailed`. An episode's reward is the sum of its steps' rewards (and
+`truncate`'s, when the rollout cut it short).
 
 A group is `n` episodes of one prompt, run concurrently: their rewards are normalised together
 for the advantage. Each episode records the lowest weight version that produced any of its
@@ -31,23 +29,19 @@ from __future__ import annotations
 
 import asyncio
 import json
-import numbers
-import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any
 
 from transformers import GenerationConfig, PreTrainedTokenizerBase
 
 from infra.engines.api import SamplingParams, oldest_weight_version
 from infra.engines.client import EngineClient
-from tasks.envs import Environment, Prompt, StepResult
+from tasks.envs import Environment, Prompt
+from tasks.envthread import FLOAT32_MAX, EnvironmentFailed, EnvironmentThread
 from tasks.shards import Rollout
 
 EOT_TOKEN = "<eot>"
-FLOAT32_MAX = 3.4028234663852886e38
-"""Largest reward a shard can store: its reward column is float32, where a larger one is inf."""
 
 
 def turn_stop_ids(tokenizer: PreTrainedTokenizerBase, model_eos: Iterable[int] = ()) -> list[int]:
@@ -110,7 +104,7 @@ def check_prompts_fit(prompts: Sequence[Prompt], tokenizer: PreTrainedTokenizerB
 
 async def run_episode(
     client: EngineClient,
-    env: Environment,
+    env: Environment | Callable[[], Environment],
     prompt: Prompt,
     tokenizer: PreTrainedTokenizerBase,
     sampling: SamplingParams,
@@ -124,13 +118,23 @@ async def run_episode(
 ) -> Rollout:
     """Play one episode against the engines behind `client`; returns its trajectory.
 
-    `env_timeout_s`: the most one call of `env` may take (`env.step_timeout_s`)."""
+    `env`: the episode's environment, or what makes it (then made on the episode's thread, so
+    that its constructor is bounded and named like its calls: a sandbox it starts, say).
+    `env_timeout_s`: the most one call of it may take (`env.step_timeout_s`)."""
+    thread = EnvironmentThread(env if not isinstance(env, Environment) else (lambda: env), prompt, env_timeout_s)
+    try:
+        return await _play(thread, client, prompt, tokenizer, sampling, max_turns=max_turns, context_length=context_length,
+                           loaded_version=loaded_version, group_id=group_id, producer=producer)  # fmt: skip
+    finally:
+        thread.close()
+
+
+async def _play(
+    env: EnvironmentThread, client: EngineClient, prompt: Prompt, tokenizer: PreTrainedTokenizerBase, sampling: SamplingParams, *,
+    max_turns: int, context_length: int, loaded_version: int, group_id: str, producer: str,
+) -> Rollout:  # fmt: skip
     started = time.time()
-
-    async def call(method: str, *args: Any) -> Any:
-        return await _call_environment(env, method, args, prompt, env_timeout_s)
-
-    prompt_ids = prompt_token_ids(tokenizer, await call("reset", prompt))
+    prompt_ids = prompt_token_ids(tokenizer, await env.reset())
     if len(prompt_ids) >= context_length - 1:
         raise PromptTooLong(
             f"prompt {prompt.prompt_id} is {len(prompt_ids)} tokens, leaving no room for an answer in the model's context of "
@@ -145,7 +149,7 @@ async def run_episode(
         room = context_length - len(prompt_ids) - len(completion) - 1  # SGLang refuses input + new >= context
         if room <= 0:
             finish = "length"
-            reward += (await call("truncate")).reward
+            reward += (await env.truncate()).reward
             break
         params = sampling.model_copy(update={"n": 1, "max_new_tokens": min(sampling.max_new_tokens, room), "stop_token_ids": stop_ids})
         call_started = time.monotonic()
@@ -162,15 +166,15 @@ async def run_episode(
         if finish == "abort":
             break
         if finish == "length" and len(tokens) >= room:  # the context filled up mid-turn: an unfinished
-            reward += (await call("truncate")).reward   # answer or tool call is not the environment's to judge
+            reward += (await env.truncate()).reward   # answer or tool call is not the environment's to judge
             break
-        step = await call("step", turn_text(tokenizer, tokens, stop_ids))
+        step = await env.step(turn_text(tokenizer, tokens, stop_ids))
         reward += step.reward
         if step.done:
             break
         if turns == max_turns:  # the environment did not end it: nothing follows the last turn
             finish = "max_turns"
-            reward += (await call("truncate")).reward
+            reward += (await env.truncate()).reward
             break
         observation = tokenizer.encode(step.observation, add_special_tokens=False)
         observation = observation[: max(0, context_length - len(prompt_ids) - len(completion))]
@@ -178,11 +182,11 @@ async def run_episode(
         mask += [0] * len(observation)
         logprobs += [0.0] * len(observation)
     if not abs(reward) <= FLOAT32_MAX:
-        raise EnvironmentFailed(f"{type(env).__name__} on prompt {prompt.prompt_id}: its steps' rewards sum to {reward}, "
+        raise EnvironmentFailed(f"{env.name} on prompt {prompt.prompt_id}: its steps' rewards sum to {reward}, "
                                 "past what a shard stores (float32)")  # fmt: skip
     return Rollout(
         prompt_ids=prompt_ids, completion_ids=completion, loss_mask=mask, behavior_logprobs=logprobs,
-        reward=reward, group_id=group_id, policy_version=version, env=type(env).__name__,
+        reward=reward, group_id=group_id, policy_version=version, env=env.name,
         turns=turns, finish_reason=finish, producer=producer, started_at=started,
         finished_at=time.time(), generate_seconds=generate_seconds,
     )  # fmt: skip
@@ -200,7 +204,7 @@ async def run_group(
     """`samples` concurrent episodes of one prompt, each with a fresh environment. One that
     raises (an environment's bug, engines that stay away) cancels the others, whose requests
     the engines then abort: with a plain gather they played on, and the group's retry beside them."""
-    episodes = [asyncio.ensure_future(run_episode(client, make_env(), prompt, tokenizer, sampling, **episode_kwargs))
+    episodes = [asyncio.ensure_future(run_episode(client, make_env, prompt, tokenizer, sampling, **episode_kwargs))
                 for _ in range(samples)]  # fmt: skip
     try:
         return list(await asyncio.gather(*episodes))
@@ -217,59 +221,6 @@ def turn_text(tokenizer: PreTrainedTokenizerBase, tokens: list[int], stop_ids: I
     cost the policy nothing."""
     closed = bool(tokens) and tokens[-1] in set(stop_ids)
     return tokenizer.decode(tokens[:-1] if closed else tokens, skip_special_tokens=False)
-
-
-class EnvironmentFailed(RuntimeError):
-    """The environment raised, took longer than `env.step_timeout_s`, or returned what an episode
-    cannot record: its group fails, and is retried as a chunk is."""
-
-
-async def _call_environment(env: Environment, method: str, args: tuple, prompt: Prompt, timeout_s: float) -> Any:
-    """`env.method(*args)` in a daemon thread of its own, checked; EnvironmentFailed if it raises,
-    outlasts `timeout_s` or returns something unusable.
-
-    A thread per call rather than a pool: a call that hangs keeps its thread, which must not keep
-    the process from exiting (a pool's threads are joined at exit) nor take a pool's place. The
-    call's outcome comes back as a value, so that a TimeoutError the environment raises is told
-    apart from the wait's own."""
-    loop = asyncio.get_running_loop()
-    outcome: asyncio.Future = loop.create_future()
-    where = f"{type(env).__name__}.{method} on prompt {prompt.prompt_id}"
-
-    def settle(result: tuple) -> None:
-        if not outcome.done():  # not given up on
-            outcome.set_result(result)
-
-    def run() -> None:
-        try:
-            result = (getattr(env, method)(*args), None)
-        except BaseException as err:  # the user's code: whatever it raises is the group's failure
-            result = (None, err)
-        try:
-            loop.call_soon_threadsafe(settle, result)
-        except RuntimeError:  # the loop closed meanwhile: nobody waits for it
-            pass
-
-    threading.Thread(target=run, name=f"tandem-env-{method}", daemon=True).start()
-    try:
-        value, error = await asyncio.wait_for(outcome, timeout_s)
-    except TimeoutError:
-        raise EnvironmentFailed(f"{where} took longer than env.step_timeout_s ({timeout_s:g} s); its thread is left "
-                                "running (a thread cannot be stopped), so a call that never returns holds it for good") from None  # fmt: skip
-    if error is not None:
-        raise EnvironmentFailed(f"{where} raised {type(error).__name__}: {error}") from error
-    if method == "reset":
-        if not isinstance(value, str):
-            raise EnvironmentFailed(f"{where} returned {type(value).__name__}, not the initial observation's text")
-        return value
-    if not isinstance(value, StepResult):
-        raise EnvironmentFailed(f"{where} returned {type(value).__name__}, not a StepResult")
-    if isinstance(value.reward, bool) or not isinstance(value.reward, numbers.Real) or not abs(value.reward) <= FLOAT32_MAX:
-        raise EnvironmentFailed(f"{where} returned the reward {value.reward!r}: a reward is a finite number a shard can store "
-                                f"(float32: at most {FLOAT32_MAX:.4g} in size)")  # fmt: skip
-    if not isinstance(value.observation, str):
-        raise EnvironmentFailed(f"{where} returned the observation {value.observation!r:.80}, not text")
-    return StepResult(value.observation, float(value.reward), value.done, value.info)
 
 
 class PromptTooLong(ValueError):

@@ -24,9 +24,6 @@ a few prefixes. The parts, and why they are built this way:
 - Quarantine (`quarantine_shard`): a bad shard is moved to `quarantine/{key}` next to
   `quarantine/{key}.reason.json` and the reader goes on. The move never loses data (reason
   first, then a put-if-absent copy, then the delete) and can be repeated after an interruption.
-  A group whose environment failed is set aside there too, under the key its shard would have
-  had, its bytes the failure's record (JSON: the error and its traceback), never a shard: the
-  trainer counts it lost alike (`quarantined_keys`), and generators make another group instead.
 
 behavior_logprobs holds one value per completion token: the engine's logprob for model tokens
 (loss_mask 1) and 0.0 for environment tokens (loss_mask 0), which no loss term reads. Logprobs
@@ -236,8 +233,7 @@ def committed_slots(store: RunStore) -> dict[int, str]:
 
 
 def quarantined_keys(store: RunStore) -> set[str]:
-    """The original keys of the shards (and failed groups) moved to quarantine/, from one listing:
-    the trainer asks while it waits for a batch."""
+    """The original keys of the shards moved to quarantine/, from one listing."""
     keys = set()
     for key in store.list_recursive("quarantine/rollouts"):
         match = SHARD_KEY_PATTERN.match(key.removeprefix("quarantine/"))

@@ -25,6 +25,7 @@ from tasks.generator import Generator, generate_group, snapshot_dir_for_engines
 from tasks.lag import TrainerState, admission_capacity, publish_trainer_state
 from tasks.rundir import initialize_run
 from tasks.envs.arithmetic import AdditionEnv
+from tasks.failed_groups import failed_group_slots
 from tasks.shards import committed_slots, list_shards, quarantined_keys
 from tasks.snapshots import LATEST_KEY, load_snapshot, publish_snapshot_dir, snapshot_prefix, withdraw_after
 
@@ -269,13 +270,17 @@ def test_a_group_its_environment_fails_is_set_aside_with_its_traceback_and_not_p
     """Before, the error failed the chunk three times and then the run, naming neither the
     environment nor the prompt, and a flaky tool could end a run hours in."""
     gen, store = generator
-    spec = dataclasses.replace(gen.spec(0), env_entrypoint="tests.test_generator:BrokenToolEnv")
+    (claimed,) = gen.claim_specs(1)
+    spec = dataclasses.replace(claimed, env_entrypoint="tests.test_generator:BrokenToolEnv")
     result = generate_group(spec)
     assert result.failure.startswith(f"BrokenToolEnv.step on prompt {spec.prompt.prompt_id} raised ConnectionError")
-    assert list_shards(store) == [] and quarantined_keys(store) == {result.key}
-    assert committed_slots(store) == {0: result.key}, "the slot is spent: its prompt is not played again"
-    record = json.loads(store.read_bytes(f"quarantine/{result.key}"))
-    assert record["prompt_id"] == spec.prompt.prompt_id and "ConnectionError" in record["traceback"]
-    assert "the environment failed the group" in json.loads(store.read_bytes(f"quarantine/{result.key}.reason.json"))["reason"]
+    assert list_shards(store) == [] and quarantined_keys(store) == set() and committed_slots(store) == {}
+    assert failed_group_slots(store) == {spec.slot: result.key}
+    record = json.loads(store.read_bytes(result.key))
+    assert (record["prompt_id"], record["producer"]) == (spec.prompt.prompt_id, "gen0") and "ConnectionError" in record["traceback"]
     retried = generate_group(spec)  # its chunk failed for another reason and runs again
     assert (retried.key, retried.created) == (result.key, False) and "earlier try" in retried.failure
+    restarted = Generator(gen.config, "gen0", gen.fleet, gen.cache_dir)
+    assert (restarted.orphans, restarted.committed_at_start) == ([], {}), (
+        "the slot is spent, not an orphan to play again, nor a committed group to record with samples"
+    )

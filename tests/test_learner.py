@@ -18,7 +18,8 @@ from tasks.checkpoints import latest_checkpoint_step
 from tasks.lag import admission_capacity, late_shard_keys, read_trainer_state, reopen_run, report_late
 from tasks.learner import Learner
 from tasks.metrics import MetricsLog, read_metrics
-from tasks.shards import quarantine_shard, quarantined_keys, shard_key, write_shard
+from tasks.failed_groups import set_aside_group
+from tasks.shards import quarantined_keys, shard_key, write_shard
 from tasks.snapshots import apply_retention, latest_version, load_snapshot, publish_snapshot, snapshot_versions
 from tests.test_shards import make_rollouts
 
@@ -157,12 +158,11 @@ def test_a_resumed_trainer_counts_the_shards_quarantined_after_its_checkpoint(tm
 
 
 def test_a_group_a_generator_set_aside_is_counted_lost_while_the_trainer_waits(tmp_path: Path):
-    """A generator quarantines a group its environment failed; unless the waiting trainer counts
+    """A generator sets aside a group its environment failed; unless the waiting trainer counts
     it lost, its capacity never comes back, and at max_lag 0 the batch stays one group short."""
     learner = make_learner(tmp_path, "lag.max_lag=0")
     write_group(learner, "s00000000", seq=0)
-    failed = shard_key(0, "gen0", 1)
-    quarantine_shard(learner.store, failed, b'{"error": "CalcEnv.step raised"}', "the environment failed the group")
+    failed = set_aside_group(learner.store, 1, {"error": "CalcEnv.step raised"})
     looks = []
     assert learner.admit_batch(should_stop=lambda: looks.append(1) or len(looks) > 3, poll_seconds=0.01) is None
     assert learner.ledger.disposed == {failed: "quarantined"} and learner.ledger.lost_groups == 1

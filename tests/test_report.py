@@ -12,7 +12,8 @@ from infra.storage import open_run_store
 from tasks.ledger import LEDGER_KEY, Ledger
 from tasks.metrics import MetricsLog, MetricsTail, read_metrics
 from tasks.report import _union, accounting, summary_rows, train_steps, write_summary
-from tasks.shards import quarantine_shard, write_shard
+from tasks.failed_groups import set_aside_group
+from tasks.shards import write_shard
 from tests.test_shards import make_rollouts
 
 
@@ -80,9 +81,7 @@ def test_a_group_the_environment_failed_is_counted_apart_and_is_not_foreign(tmp_
     generator = MetricsLog(store, "generator-gen0", flush_seconds=0)
     key = write_shard(store, make_rollouts(n=8, version=0), "gen0", 0).key
     generator.log("group", slot=0, key=key, samples=8, started_at=1.0, finished_at=2.0)
-    failed = key.replace("000000.parquet", "000001.parquet")
-    quarantine_shard(store, failed, b'{"error": "QAEnv.step raised"}', "the environment failed the group")
-    generator.log("group_failed", slot=1, key=failed, error="QAEnv.step raised")
+    failed = set_aside_group(store, 1, {"error": "QAEnv.step raised"})
     ledger = Ledger(disposed={key: "trained", failed: "quarantined"}, counts={"trained": 8, "dropped_stale": 0, "quarantined": 1, "duplicate": 0})
     store.write_atomic(LEDGER_KEY, json.dumps(ledger.to_json()).encode())
     counts = accounting(store)
