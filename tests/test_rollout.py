@@ -466,3 +466,18 @@ def test_the_generators_check_names_every_prompt_too_long_for_the_context_before
     with pytest.raises(PromptTooLong, match=r"^2 of the 5 training prompts .* context of 64 tokens \(model.max_position_embeddings\): "
                                             r"train-2 \(63 tokens\), train-3 \(71 tokens\); raise it"):
         check_prompts_fit(prompts, tokenizer, context_length=64)
+
+
+def test_a_chat_templates_special_tokens_written_as_text_are_encoded_as_those_tokens():
+    """What the README tells an environment for a chat model to do: write the template's turns
+    as text. The prompt and observations are encoded with the special tokens as tokens (not as
+    the characters '<', '|', ...), and the action is the turn without its end token."""
+    from infra.modelfactory import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    start, end = tokenizer.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
+    ids = prompt_token_ids(tokenizer, "<|im_start|>user\n1 + 2<|im_end|>\n<|im_start|>assistant\n")
+    assert [i for i in ids if i in (start, end)] == [start, end, start]
+    three = tokenizer.convert_tokens_to_ids("3")
+    assert turn_text(tokenizer, [three, end], turn_stop_ids(tokenizer, [end])) == "3"
