@@ -48,10 +48,7 @@ from configs.schema import RunConfig
 from infra.engines.fleet import EngineFleet
 from infra.scratch import scratch_dir
 from infra.storage import RunStore, open_run_store
-from tasks.generator import (
-    FAILED_GROUPS_IN_A_ROW_LIMIT, GroupResult, GroupSpec, Generator, SnapshotRejected, generate_group, release_worker_state,
-    snapshot_dir_for_engines,
-)  # fmt: skip
+from tasks.generator import FAILED_GROUPS_IN_A_ROW_LIMIT, Generator, SnapshotRejected, snapshot_dir_for_engines
 from tasks.lag import (
     IN_FLIGHT_TTL_SECONDS, live_producers, publish_in_flight, read_trainer_state, recheck_after_restart, report_late, retire_requested,
     withdraw_in_flight,
@@ -61,6 +58,7 @@ from tasks.metrics import MetricsLog
 from tasks.placement import first_engine_of
 from tasks.envthread import EnvironmentFailed
 from tasks.snapshots import unpin_snapshot
+from tasks.worker import GroupResult, GroupSpec, generate_group, release_worker_state
 
 
 POLL_SECONDS = 0.2
@@ -130,7 +128,7 @@ def dask_task_runner(config: RunConfig) -> DaskTaskRunner:
 @contextmanager
 def worker_state_released(dask: DaskTaskRunner, fleet: EngineFleet, store: RunStore, cluster_outlives_run: bool) -> Iterator[None]:
     """On the way out, every worker of `dask`'s cluster closes its clients of `fleet`'s engines
-    and forgets the run's tokenizer (tasks/generator.py `release_worker_state`), if the cluster
+    and forgets the run's tokenizer (tasks/worker.py `release_worker_state`), if the cluster
     outlives the run: the workers at dask.address serve run after run and would keep them, while
     a LocalCluster ends with the run (and one whose run failed before its first chunk is not
     even started: asking its workers would start it)."""

@@ -58,7 +58,7 @@ from tasks.autoscale import autoscale_target, generator_wait_fraction, trainer_i
 from tasks.lag import SlotClaims, live_producers, request_retire, request_stop, stop_reason, withdraw_retire
 from tasks.lease import PipelineWatch
 from tasks.metrics import MetricsTail
-from tasks.shards import committed_slots
+from tasks.failed_groups import spent_slots
 
 DRAIN_SECONDS = 60.0
 """How long generation runs get to stop by themselves once training has ended."""
@@ -320,9 +320,10 @@ class Supervisor:
             self.retiring[producer] = self.start("generation", producer=producer).id
 
     def unfinished_claims(self, producer: str) -> list[int]:
-        """The slots `producer` claimed and has not committed: only a run of its id makes them."""
+        """The slots `producer` claimed and has not committed (nor set aside: tasks/failed_groups.py):
+        only a run of its id makes them."""
         claims = SlotClaims(self.store, producer, self.config.training.prompts_per_step)
-        return claims.claimed_by_me(exclude=set(committed_slots(self.store)))
+        return claims.claimed_by_me(exclude=spent_slots(self.store))
 
     def give_up(self, what: str, producer: str, state) -> None:
         """No more runs of `producer` (out of restarts), nor any new generation run; stop the run

@@ -4,7 +4,7 @@ An environment is the user's code, and tasks/rollout.py plays it between engine 
 things follow, each a reason for `EnvironmentThread`:
 
 - Its calls may block (a tool's subprocess, an HTTP call to a sandbox). Every episode of a Dask
-  worker shares one event loop (tasks/generator.py), so a call made on it held every episode
+  worker shares one event loop (tasks/worker.py), so a call made on it held every episode
   there, and their engine timeouts with them. Calls run on a thread instead.
 - Its resources may belong to one thread: an sqlite connection opened in `reset` refuses a
   `step` from another thread. So each episode has one thread, which builds the environment and
@@ -15,7 +15,7 @@ things follow, each a reason for `EnvironmentThread`:
 
 Whatever goes wrong (the constructor or a call raises or outlasts the bound, a reward that is not
 a finite float32, an observation that is not text) is `EnvironmentFailed`, naming the class, the
-call and the prompt: the generator sets the group aside (tasks/generator.py `_set_aside`).
+call and the prompt: the worker sets the group aside (tasks/worker.py `_set_aside`).
 """
 
 from __future__ import annotations

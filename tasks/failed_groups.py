@@ -5,9 +5,10 @@ A group whose environment raised, hung, or paid a reward a shard cannot hold (ta
 traceback, the prompt, the producer) to `quarantine/failed-groups/{slot:06d}.json`,
 put-if-absent, and from then on:
 
-- its slot is spent: a restarted generator does not play it again (`failed_group_slots`), nor
-  does a retry of its chunk, which finds the record, nor a producer its claims are handed to
-  (tasks/lag.py `adopt_orphaned_claims`): the key names the slot alone, which is the run's;
+- its slot is spent (`spent_slots`: committed or set aside): a restarted generator does not play
+  it again, nor does a retry of its chunk, which finds the record, nor a producer its claims are
+  handed to (tasks/lag.py `adopt_orphaned_claims`), and the deployed supervisor does not count
+  it among a generator's unfinished claims: the key names the slot alone, which is the run's;
 - the trainer counts it lost as soon as it sees it (tasks/learner.py `_count_quarantined`), so
   that admission returns its capacity and a generator makes another group in its place;
 - the run's summary counts these groups (tasks/report.py), apart from the samples' accounting
@@ -26,9 +27,10 @@ import json
 import re
 
 from infra.storage import RunStore
+from tasks.shards import committed_slots
 
 FAILED_GROUPS = "quarantine/failed-groups"
-_FAILED_GROUP_KEY = re.compile(rf"{FAILED_GROUPS}/(?P<slot>\d{{6}})\.json")
+_FAILED_GROUP_KEY = re.compile(rf"{FAILED_GROUPS}/(?P<slot>\d{{6,}})\.json")
 
 
 def failed_group_key(slot: int) -> str:
@@ -47,3 +49,9 @@ def failed_group_slots(store: RunStore) -> dict[int, str]:
     """Slot -> record key of every group set aside, from one listing."""
     found = (_FAILED_GROUP_KEY.fullmatch(key) for key in store.list_recursive(FAILED_GROUPS))
     return {int(match["slot"]): match[0] for match in found if match}
+
+
+def spent_slots(store: RunStore) -> set[int]:
+    """The slots whose group is done with: committed (in rollouts/ or quarantined) or set aside.
+    A claim of one of them is nobody's work to finish."""
+    return set(committed_slots(store)) | set(failed_group_slots(store))

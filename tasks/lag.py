@@ -53,8 +53,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from infra.storage import RunStore
-from tasks.failed_groups import failed_group_slots
-from tasks.shards import SHARD_KEY_PATTERN, committed_slots, parse_shard_key
+from tasks.failed_groups import spent_slots
+from tasks.shards import SHARD_KEY_PATTERN, parse_shard_key
 from tasks.snapshots import snapshot_versions, withdraw_after
 
 SLOTS = "lag/slots"
@@ -317,7 +317,7 @@ def adopt_orphaned_claims(store: RunStore, producers: Sequence[str], groups_per_
     if not producers:
         raise ValueError("no producer to hand the claims to")
     registry = SlotClaims(store, "pipeline", groups_per_step)
-    owners = registry.claims(exclude=set(committed_slots(store)) | set(failed_group_slots(store)))
+    owners = registry.claims(exclude=spent_slots(store))
     keep = set(producers) | live_producers(store)  # a generator of an earlier pipeline still at work keeps its own
     orphaned = sorted(slot for slot, owner in owners.items() if owner not in keep)
     given: dict[str, list[int]] = {producer: [] for producer in producers}

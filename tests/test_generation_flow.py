@@ -16,10 +16,11 @@ from configs import TINY_CONFIG, load_config
 from configs.schema import StorageConfig
 from flows.generation import _record, _stop_if_the_environment_keeps_failing, dask_task_runner, fan_out, worker_state_released
 from infra.storage import open_run_store
-from tasks.generator import FAILED_GROUPS_IN_A_ROW_LIMIT, GroupResult
+from tasks.generator import FAILED_GROUPS_IN_A_ROW_LIMIT
 from tasks.metrics import MetricsLog, read_metrics
 from tasks.envthread import EnvironmentFailed
 from tasks.shards import shard_key
+from tasks.worker import GroupResult
 
 pytestmark = pytest.mark.slow
 
@@ -77,17 +78,17 @@ def test_the_worker_processes_run_without_the_statistical_profiler():
 
 def _open_engine_client(urls: tuple[str, ...]) -> None:
     """What a group does on a worker: a client of its run's engines, the run's tokenizer."""
-    from tasks import generator
+    from tasks import worker
 
     spec = SimpleNamespace(engine_urls=urls, api_key=None, request_timeout=5.0, retry_seconds=1.0, hand_off_stragglers=True)
-    asyncio.run_coroutine_threadsafe(generator._engine_client(spec), generator._worker_loop()).result()
-    generator._TOKENIZERS[f"file:///runs/{urls[0][-2:]}"] = object()
+    asyncio.run_coroutine_threadsafe(worker._engine_client(spec), worker._worker_loop()).result()
+    worker._TOKENIZERS[f"file:///runs/{urls[0][-2:]}"] = object()
 
 
 def _worker_state() -> tuple[list, list]:
-    from tasks import generator
+    from tasks import worker
 
-    return sorted(key[0] for key in generator._CLIENTS), sorted(generator._TOKENIZERS)
+    return sorted(key[0] for key in worker._CLIENTS), sorted(worker._TOKENIZERS)
 
 
 @flow

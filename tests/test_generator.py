@@ -21,12 +21,14 @@ import pytest
 from configs import TINY_CONFIG, load_config
 from infra.engines.fleet import EngineFleet
 from infra.storage import open_run_store
-from tasks.generator import Generator, generate_group, snapshot_dir_for_engines
+from tasks.generator import Generator, snapshot_dir_for_engines
 from tasks.lag import TrainerState, admission_capacity, publish_trainer_state
 from tasks.rundir import initialize_run
 from tasks.envs.arithmetic import AdditionEnv
-from tasks.failed_groups import failed_group_slots
-from tasks.shards import committed_slots, list_shards, quarantined_keys
+from tasks.failed_groups import failed_group_slots, set_aside_group
+from tasks.shards import committed_slots, list_shards, quarantined_keys, write_shard
+from tasks.worker import generate_group
+from tests.test_shards import make_rollouts
 from tasks.snapshots import LATEST_KEY, load_snapshot, publish_snapshot_dir, snapshot_prefix, withdraw_after
 
 pytestmark = pytest.mark.slow  # every test starts an engine
@@ -279,8 +281,34 @@ def test_a_group_its_environment_fails_is_set_aside_with_its_traceback_and_not_p
     record = json.loads(store.read_bytes(result.key))
     assert (record["prompt_id"], record["producer"]) == (spec.prompt.prompt_id, "gen0") and "ConnectionError" in record["traceback"]
     retried = generate_group(spec)  # its chunk failed for another reason and runs again
-    assert (retried.key, retried.created) == (result.key, False) and "earlier try" in retried.failure
+    assert (retried.key, retried.created) == (result.key, False) and "another try" in retried.failure
     restarted = Generator(gen.config, "gen0", gen.fleet, gen.cache_dir)
     assert (restarted.orphans, restarted.committed_at_start) == ([], {}), (
         "the slot is spent, not an orphan to play again, nor a committed group to record with samples"
     )
+
+
+@pytest.mark.parametrize("other_try", ["set it aside", "committed it"])
+def test_a_group_another_try_finished_while_it_played_is_neither_committed_nor_set_aside_again(generator, other_try):
+    """A failed chunk is retried while its other groups still play, so two tries of one group can
+    run at once. Had one committed and the other set aside, the slot was trained and counted lost,
+    admitting a group past the window."""
+    gen, store = generator
+    (spec,) = gen.claim_specs(1)
+    if other_try == "committed it":  # this try's environment fails; the other try's did not
+        spec = dataclasses.replace(spec, env_entrypoint="tests.test_generator:BrokenToolEnv")
+    results = []
+    playing = threading.Thread(target=lambda: results.append(generate_group(spec)))
+    playing.start()
+    time.sleep(0.5)  # its first turn decodes for about 1.5 s
+    if other_try == "set it aside":
+        set_aside_group(store, spec.slot, {"error": "the other try's environment failed"})
+    else:
+        write_shard(store, make_rollouts(n=2, version=spec.loaded_version), "gen0", spec.slot)
+    playing.join(timeout=30)
+    (result,) = results
+    assert result.created is False
+    if other_try == "set it aside":
+        assert list_shards(store) == [] and "another try" in result.failure
+    else:
+        assert failed_group_slots(store) == {} and result.failure is None and list_shards(store) == [result.key]

@@ -24,6 +24,7 @@ from tasks.lag import (
     Candidate, SlotClaims, adopt_orphaned_claims, admission_capacity, slot_key, claim_share, groups_in_flight, lag_of, live_producers, publish_in_flight,
     recheck_after_restart, select_batch, IN_FLIGHT_PREFIX, IN_FLIGHT_TTL_SECONDS, waits_for_last_chance, withdraw_in_flight,
 )  # fmt: skip
+from tasks.failed_groups import set_aside_group, spent_slots
 from tasks.shards import committed_slots, quarantine_shard, shard_key, write_shard
 from tests.test_shards import make_rollouts
 
@@ -259,16 +260,18 @@ def test_a_claim_whose_answer_was_lost_is_still_the_claimers(file_store):
 def test_claims_of_producers_that_do_not_start_again_go_to_those_that_do(tmp_path):
     """A run that ends leaves its generators' last groups claimed and uncommitted. Continued with
     gen0 only, gen1's and gen2's would never be generated: the pipeline hands them to gen0, whose
-    start then finds them among its orphans. Committed claims and gen0's own stay as they were."""
+    start then finds them among its orphans. Committed claims, set-aside ones and gen0's own stay
+    as they were."""
     store = open_run_store(StorageConfig(root=f"file://{tmp_path}"), "run")
     claims = {name: SlotClaims(store, name, 4) for name in ("gen0", "gen1", "gen2")}
-    claimed = {name: [c.claim(capacity=100) for _ in range(2)] for name, c in claims.items()}
+    claimed = {name: [c.claim(capacity=100) for _ in range(3)] for name, c in claims.items()}
     write_shard(store, make_rollouts(version=0, producer="gen1"), "gen1", claimed["gen1"][0])
-    orphans = sorted([claimed["gen1"][1], *claimed["gen2"]])
+    set_aside_group(store, claimed["gen2"][2], {"error": "the environment failed it"})  # spent: never played again
+    orphans = sorted([*claimed["gen1"][1:], *claimed["gen2"][:2]])
 
     assert adopt_orphaned_claims(store, ["gen0"], 4) == {"gen0": orphans}
     restarted = SlotClaims(store, "gen0", 4)
-    assert restarted.claimed_by_me(exclude=set(committed_slots(store))) == sorted([*claimed["gen0"], *orphans])
+    assert restarted.claimed_by_me(exclude=spent_slots(store)) == sorted([*claimed["gen0"], *orphans])
     assert SlotClaims(store, "gen1", 4).claimed_by_me() == [claimed["gen1"][0]], "its committed slot stays its own"
     assert adopt_orphaned_claims(store, ["gen0"], 4) == {"gen0": []}, "nothing left to hand over"
 

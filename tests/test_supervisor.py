@@ -23,6 +23,7 @@ from configs.schema import RunConfig
 from flows.scaling import clear_scale_request, running_pipeline, scale_request, scale_variable, tag_for_scaling
 from flows.supervisor import Supervisor
 from tasks.lag import SlotClaims, request_retire, retire_requested, stop_reason
+from tasks.failed_groups import set_aside_group
 from tasks.metrics import MetricsLog
 
 PER_STEP = 4
@@ -84,6 +85,19 @@ def test_giving_up_on_a_generator_stops_the_run_once_its_claims_exceed_what_the_
     assert (reason is not None) == stops
     if stops:
         assert "gen1" in reason and f"{claimed} groups" in reason and "prefect.generation_restarts" in reason
+
+
+def test_claims_whose_groups_were_set_aside_are_not_a_given_up_generators_unfinished_work(file_store):
+    """Their groups were counted lost and replaced: taken for unfinished claims, a generator whose
+    environment had failed enough groups stopped a healthy run when it was given up on."""
+    parent = parent_of(file_store, max_lag=1, restarts=0)
+    claim_slots(file_store, "gen1", PER_STEP + 1)
+    for slot in SlotClaims(file_store, "gen1", PER_STEP).claimed_by_me():
+        set_aside_group(file_store, slot, {"error": "the environment failed it"})
+    child(parent, "gen0", Running())
+    child(parent, "gen1", Failed(message="boom"))
+    parent.restart_failed_generators()
+    assert parent.gave_up and stop_reason(file_store) is None and parent.unfinished_claims("gen1") == []
 
 
 def test_a_retiring_generator_that_dies_is_started_again_to_finish_its_claims(file_store):
