@@ -42,6 +42,8 @@ from tasks.envthread import FLOAT32_MAX, EnvironmentFailed, EnvironmentThread
 from tasks.shards import Rollout
 
 EOT_TOKEN = "<eot>"
+PROMPT_CHECK_BATCH = 4096
+"""Prompts `check_prompts_fit` encodes at once."""
 
 
 def turn_stop_ids(tokenizer: PreTrainedTokenizerBase, model_eos: Iterable[int] = ()) -> list[int]:
@@ -88,11 +90,15 @@ def prompt_token_ids(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]
 def check_prompts_fit(prompts: Sequence[Prompt], tokenizer: PreTrainedTokenizerBase, context_length: int) -> None:
     """PromptTooLong naming the prompts whose text alone leaves no room for a model turn in the
     context. The generator checks its training prompts as it starts: an episode finds out only
-    when its slot comes up, and one such prompt in a data set then failed its group three times
-    and stopped the run hours in."""
+    when its slot comes up, and each such prompt of a data set would then be set aside, its slot
+    after slot, the data set shrinking unannounced. Encoded a batch at a time, keeping lengths
+    only: a million prompts' token ids at once are gigabytes of Python lists."""
     bos = 0 if tokenizer.bos_token_id is None else 1
-    encoded = tokenizer([prompt.text for prompt in prompts], add_special_tokens=False)["input_ids"]
-    too_long = [(prompt.prompt_id, bos + len(ids)) for prompt, ids in zip(prompts, encoded, strict=True) if bos + len(ids) >= context_length - 1]
+    too_long: list[tuple[str, int]] = []
+    for start in range(0, len(prompts), PROMPT_CHECK_BATCH):
+        batch = prompts[start : start + PROMPT_CHECK_BATCH]
+        lengths = [bos + len(ids) for ids in tokenizer([prompt.text for prompt in batch], add_special_tokens=False)["input_ids"]]
+        too_long += [(prompt.prompt_id, n) for prompt, n in zip(batch, lengths, strict=True) if n >= context_length - 1]
     if too_long:
         shown = ", ".join(f"{prompt_id} ({length} tokens)" for prompt_id, length in too_long[:5])
         raise PromptTooLong(

@@ -458,7 +458,10 @@ def test_a_prompt_that_leaves_no_room_in_the_context_is_refused_naming_the_setti
         play(engine, ToolEnv, max_turns=1, prompt_text=" ".join(["1"] * 70))
 
 
-def test_the_generators_check_names_every_prompt_too_long_for_the_context_before_any_is_played(engine):
+@pytest.mark.parametrize("batch", [4096, 2])
+def test_the_generators_check_names_every_prompt_too_long_for_the_context_before_any_is_played(engine, batch, monkeypatch):
+    """Also encoded two prompts at a time: the names and counts span the batches."""
+    monkeypatch.setattr("tasks.rollout.PROMPT_CHECK_BATCH", batch)
     model, _ = engine
     tokenizer = load_tokenizer(model)
     prompts = [Prompt(f"train-{i}", " ".join(["1"] * length), "1") for i, length in enumerate([3, 61, 62, 70, 10])]
