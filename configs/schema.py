@@ -335,6 +335,9 @@ class PrefectConfig(Section):
     evaluate_every: int = Field(0, ge=0, le=1_000_000)
     """Mark each published snapshot whose version is a multiple of this for evaluation (the
     `evaluation` trigger); 0: none."""
+    evaluation_pin_hours: float = Field(24.0, gt=0, le=8760)
+    """How long retention keeps a snapshot for an evaluation that has not unpinned it: one marked
+    for its triggered run that never starts, or whose run was killed."""
     autoscale: AutoscaleConfig | None = None
     """Deployed mode: size the generation side between min and max automatically; null: fixed."""
 

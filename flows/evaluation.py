@@ -31,7 +31,9 @@ def evaluation(config: RunConfig, version: int | None = None) -> dict:
     if version is None:
         version = committed_version(store, None)  # SnapshotMissing when nothing is published
     consumer = f"eval-v{version}"
-    pin_snapshot(store, consumer, version)  # before the check: retention keeps what it then finds
+    # Before the check: retention keeps what it then finds. It lapses, so that a run killed
+    # before its `finally` does not keep the snapshot for good: the fetch takes minutes, not hours.
+    pin_snapshot(store, consumer, version, lapse_seconds=config.prefect.evaluation_pin_hours * 3600)
     try:
         committed_version(store, version)
         with scratch_dir("tandem-eval-") as cache:

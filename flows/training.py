@@ -122,9 +122,14 @@ def _train(config: RunConfig, store: RunStore, cache: Path, pipeline: PipelineWa
 
 
 def _announce(config: RunConfig, store: RunStore, version: int) -> None:
-    """Tell automations about snapshot `version`. One marked for evaluation in deployed mode is
-    pinned for its evaluator first (the evaluation flow unpins it), so that retention cannot
-    delete it before the triggered run has loaded it."""
-    if config.prefect.mode == "deployed" and due_for_evaluation(config, version):
-        pin_snapshot(store, f"eval-v{version}", version)
+    """Tell automations about snapshot `version`, pinned first if it is marked for evaluation."""
+    pin_for_evaluation(config, store, version)
     announce_snapshot(config, version, store.url)
+
+
+def pin_for_evaluation(config: RunConfig, store: RunStore, version: int) -> None:
+    """Pin `version` for the evaluation its announcement triggers in deployed mode (the evaluation
+    flow unpins it), so that retention cannot delete it before that run has loaded it; for
+    `prefect.evaluation_pin_hours` only, since that run may never start."""
+    if config.prefect.mode == "deployed" and due_for_evaluation(config, version):
+        pin_snapshot(store, f"eval-v{version}", version, lapse_seconds=config.prefect.evaluation_pin_hours * 3600)

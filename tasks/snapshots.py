@@ -5,7 +5,7 @@
     weights/LATEST              {"version": V}, moved only after V's manifest exists; forward,
                                 except back to the checkpoint a restarted run resumes from
     weights/pins/{consumer}.json  {"version": V}: a generator or engine is using V; retention
-                                keeps it (a withdrawal does not)
+                                keeps it (a withdrawal does not), until "lapses_at" if given
     weights/rejected/{consumer}.json  {"version": V, "manifest": digest, "reason": ...}: a
                                 generator found V damaged after its commit; the trainer commits
                                 it again (`recommit_snapshot`) and removes the report
@@ -227,9 +227,18 @@ def load_snapshot(store: RunStore, cache_dir: Path, version: int | None = None) 
     return local_dir
 
 
-def pin_snapshot(store: RunStore, consumer: str, version: int) -> None:
-    """Record that `consumer` uses `version`, so that retention keeps it (one pin per consumer)."""
-    store.write_atomic(_pin_key(consumer), json.dumps({"version": version}).encode())
+def pin_snapshot(store: RunStore, consumer: str, version: int, lapse_seconds: float | None = None) -> None:
+    """Record that `consumer` uses `version`, so that retention keeps it (one pin per consumer).
+
+    A pin with `lapse_seconds` keeps it that long only: for a consumer that may never come to
+    unpin it. The trainer pins each version marked for evaluation for its triggered run, which
+    never starts if the automation is off or the inference pool has no worker; without a lapse,
+    every marked version of a long run stayed in storage for good. The time is the writer's
+    clock, which retention compares with its own: a lapse is hours, a skew seconds."""
+    record: dict[str, float] = {"version": version}
+    if lapse_seconds is not None:
+        record["lapses_at"] = time.time() + lapse_seconds
+    store.write_atomic(_pin_key(consumer), json.dumps(record).encode())
 
 
 def unpin_snapshot(store: RunStore, consumer: str) -> None:
@@ -238,15 +247,28 @@ def unpin_snapshot(store: RunStore, consumer: str) -> None:
 
 
 def pinned_versions(store: RunStore) -> set[int]:
-    """Versions named by any pin file."""
-    pins = set()
+    """Versions named by any pin file that has not lapsed."""
+    return set(_read_pins(store)[0].values())
+
+
+def _read_pins(store: RunStore) -> tuple[dict[str, int], list[str]]:
+    """The pin files in force ({key: version}) and those that have lapsed (their keys)."""
+    pins, lapsed, now = {}, [], time.time()
     for key in store.list(PINS):
-        if key.endswith(".json"):
-            try:
-                pins.add(_read_version(store, key))
-            except FileNotFoundError:  # unpinned since the listing
-                continue
-    return pins
+        if not key.endswith(".json"):
+            continue
+        try:
+            record = _read_pointer(store, key)
+        except FileNotFoundError:  # unpinned since the listing
+            continue
+        lapses_at = record.get("lapses_at")
+        if lapses_at is not None and type(lapses_at) not in (int, float):
+            raise ValueError(f"{store.url_of(key)}: lapses_at is not a time: {lapses_at!r}")
+        if lapses_at is not None and lapses_at <= now:
+            lapsed.append(key)
+        else:
+            pins[key] = record["version"]
+    return pins, lapsed
 
 
 def apply_retention(
@@ -266,13 +288,16 @@ def apply_retention(
     if keep_last < 1 or keep_every < 1:
         raise ValueError("keep_last and keep_every must be >= 1")
     try:
-        pins = pinned_versions(store)
+        pins, lapsed = _read_pins(store)
     except ValueError as err:
         log.warning("snapshot retention skipped, every snapshot kept until the pin is fixed or removed: %s", err)
         return []
+    for key in lapsed:
+        log.warning("pin %s lapsed before its consumer unpinned it: its version is no longer kept for it", store.url_of(key))
+        store.delete(key)
     committed, uncommitted = _version_dirs(store)
     latest = latest_version(store)
-    keep = set(committed[-keep_last:]) | set(pinned) | pins
+    keep = set(committed[-keep_last:]) | set(pinned) | set(pins.values())
     keep |= {v for v in committed if v % keep_every == 0}
     if latest is not None:
         keep.add(latest)
@@ -363,15 +388,21 @@ def _delete_snapshot(store: RunStore, version: int) -> None:
 
 
 def _read_version(store: RunStore, key: str) -> int:
-    """The version a pointer file names; ValueError naming the file if it is not {"version": V}
+    """The version a pointer file names."""
+    return _read_pointer(store, key)["version"]
+
+
+def _read_pointer(store: RunStore, key: str) -> dict:
+    """A pointer file's record; ValueError naming the file if it is not {"version": V, ...}
     (a bare JSONDecodeError would not say which file of the run directory is damaged)."""
     try:
-        version = json.loads(store.read_bytes(key))["version"]
+        record = json.loads(store.read_bytes(key))
+        version = record["version"]
     except (ValueError, KeyError, TypeError) as err:
         raise ValueError(f"{store.url_of(key)}: not a {{\"version\": V}} record ({err!r})") from None
     if type(version) is not int or version < 0:
         raise ValueError(f"{store.url_of(key)}: invalid version {version!r}")
-    return version
+    return record
 
 
 def _pin_key(consumer: str) -> str:

@@ -3,8 +3,9 @@ its parameters, trigger and schedule fit the flow it names."""
 
 from __future__ import annotations
 
+import json
 import re
-
+import time
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,10 @@ from prefect.utilities.schema_tools import ValidationError, validate
 from flows.scaling import scale_variable
 from flows.supervisor import API_OUTAGE_SECONDS
 from configs.schema import RunConfig
+from flows.training import pin_for_evaluation
 from flows.ui import artifact_key, due_for_evaluation
+from infra.storage import open_run_store
+from tasks.snapshots import PINS
 from infra.deployments import HEARTBEAT_SECONDS, RUN_TAG, UNRESPONSIVE_SECONDS, work_pools_of
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,6 +59,21 @@ def test_evaluation_trigger_fills_the_flow_parameters_from_the_event():
 def test_the_trigger_leaves_the_last_snapshot_to_the_pipelines_closing_evaluation():
     config = RunConfig.model_validate({"training": {"steps": 9}, "prefect": {"evaluate_every": 3}})
     assert [v for v in range(1, 10) if due_for_evaluation(config, v)] == [3, 6]
+
+
+def test_a_version_marked_for_evaluation_is_pinned_for_its_run_until_the_pin_lapses(tmp_path):
+    """A triggered evaluation may never start (the automation off, no worker on its pool): its
+    pin must lapse, or every marked version of a long run is kept in storage for good."""
+    config = RunConfig.model_validate({
+        "storage": {"root": f"file://{tmp_path}"}, "training": {"steps": 9},
+        "prefect": {"mode": "deployed", "evaluate_every": 3, "evaluation_pin_hours": 2},
+    })  # fmt: skip
+    store = open_run_store(config.storage, config.run_id)
+    for version in (3, 4):
+        pin_for_evaluation(config, store, version)
+    assert store.list(PINS) == [f"{PINS}/eval-v3.json"]
+    record = json.loads(store.read_bytes(f"{PINS}/eval-v3.json"))
+    assert record["version"] == 3 and 2 * 3600 - 60 < record["lapses_at"] - time.time() <= 2 * 3600
 
 
 def test_evaluations_run_one_at_a_time_and_none_is_dropped():

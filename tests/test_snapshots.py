@@ -46,6 +46,7 @@ from tasks.snapshots import (
     latest_version,
     load_snapshot,
     pin_snapshot,
+    pinned_versions,
     publish_snapshot,
     publish_snapshot_dir,
     snapshot_prefix,
@@ -324,12 +325,28 @@ def test_retention_keeps_last_every_latest_and_pinned(store, tmp_path, monkeypat
     assert apply_retention(store, keep_last=3, keep_every=5) == [2, 7]
 
 
-def test_a_pin_file_that_does_not_parse_keeps_every_snapshot_and_is_named(store, tmp_path, caplog) -> None:
+def test_a_lapsed_pin_keeps_its_version_no_longer_and_is_removed(store, tmp_path, caplog) -> None:
+    """The trainer pins each version marked for evaluation for a triggered run that may never
+    start: without a lapse, every such version of a long run stayed in storage for good."""
+    for version in range(5):
+        publish_snapshot_dir(store, fake_snapshot(tmp_path, version), version)
+    pin_snapshot(store, "gen0", 1)
+    pin_snapshot(store, "eval-v2", 2, lapse_seconds=3600)
+    pin_snapshot(store, "eval-v3", 3, lapse_seconds=-1)
+    assert pinned_versions(store) == {1, 2}
+    assert apply_retention(store, keep_last=1, keep_every=100) == [3]
+    assert snapshot_versions(store) == [0, 1, 2, 4]
+    assert sorted(store.list(PINS)) == [f"{PINS}/eval-v2.json", f"{PINS}/gen0.json"], "the lapsed pin file is removed"
+    assert f"{PINS}/eval-v3.json" in caplog.text
+
+
+@pytest.mark.parametrize("pin", [b"{not json", b'{"version": 1, "lapses_at": "tomorrow"}'], ids=["json", "lapses_at"])
+def test_a_pin_file_that_does_not_parse_keeps_every_snapshot_and_is_named(store, tmp_path, caplog, pin) -> None:
     """Retention runs inside the trainer's step: a damaged pin must not fail it, nor let it delete
     what the pin's unknown consumer may be reading."""
     for version in range(4):
         publish_snapshot_dir(store, fake_snapshot(tmp_path, version), version)
-    store.write_atomic(f"{PINS}/gen0.json", b"{not json")
+    store.write_atomic(f"{PINS}/gen0.json", pin)
     assert apply_retention(store, keep_last=1, keep_every=100) == []
     assert snapshot_versions(store) == [0, 1, 2, 3]
     assert f"{PINS}/gen0.json" in caplog.text
