@@ -461,7 +461,10 @@ def _link_replacing(source: Path, target: Path) -> bool:
         os.link(source, temp)
     except OSError:
         return False
-    os.replace(temp, target)
+    try:
+        os.replace(temp, target)
+    finally:  # a replace that failed (the target a directory) leaves no hidden link behind
+        temp.unlink(missing_ok=True)
     return True
 
 

@@ -129,6 +129,17 @@ def test_a_taken_staging_file_is_linked_and_a_kept_file_copied(file_store: RunSt
     assert not staging.exists() and file_store.read_bytes("weights/v1/model.safetensors") == b"snapshot bytes"
 
 
+def test_a_taken_file_that_cannot_replace_its_target_leaves_no_hidden_link(file_store: RunStore):
+    """The link is made under a hidden name, then moved over the target: a move that fails (a
+    directory stands at the target) must not leave that hidden link, which no listing shows."""
+    staging = file_store.staging_dir()
+    (staging / "taken.bin").write_bytes(b"snapshot bytes")
+    (Path(file_store.path("weights/v1/model.safetensors")) / "inside").mkdir(parents=True)
+    with pytest.raises(OSError):
+        file_store.upload(staging / "taken.bin", "weights/v1/model.safetensors", take=True)
+    assert sorted(p.name for p in Path(file_store.path("weights/v1")).iterdir()) == ["model.safetensors"]
+
+
 @pytest.mark.s3
 def test_the_multipart_uploads_a_killed_trainer_left_are_aborted_as_the_next_one_starts(seaweed: SeaweedServer):
     """A trainer killed mid-publish left a snapshot's worth of parts no listing shows and the bucket
