@@ -22,8 +22,11 @@ behaviour logprobs. Plain torch functions, no model and no Prefect: the trainer 
   sequence first. A per-sequence mean gives each token of a long episode less weight than a token
   of a short one (DAPO); the token mean weighs every model decision equally. Environment tokens
   (mask 0) and padding never count.
-- Optional terms: a KL penalty against a reference policy (Schulman's k3 estimator
-  exp(ref - logp) - (ref - logp) - 1, >= 0 on every token) and an entropy bonus.
+- Optional terms: a KL penalty against a reference policy and an entropy bonus. The KL term is
+  GRPO's (DeepSeekMath): Schulman's k3 estimator exp(ref - logp) - (ref - logp) - 1, >= 0 on
+  every token, as a loss. Its value estimates KL(pi || ref) on samples of pi, but its gradient is
+  that of KL(ref || pi), and the samples are the behaviour policy's, not reweighted: it keeps pi
+  near ref, not a KL-regularised objective exactly.
 """
 
 from __future__ import annotations
@@ -84,7 +87,9 @@ def _chunk_logprobs(logits: Tensor, temperature: float, targets: Tensor) -> Tens
 
 def _chunk_entropy(logits: Tensor, temperature: float) -> Tensor:
     logprobs = (logits.float() / temperature).log_softmax(dim=-1)
-    return -(logprobs.exp() * logprobs).sum(dim=-1)
+    # p * log p is 0 * -inf, NaN, at a logit of -inf (a model that masks its vocabulary's padding
+    # rows so): clamped to the lowest float, the product is 0 there and so is its gradient.
+    return -(logprobs.exp() * logprobs.clamp(min=torch.finfo(logprobs.dtype).min)).sum(dim=-1)
 
 
 def _by_chunks(per_chunk, logits: Tensor, temperature: float, *rest: Tensor) -> Tensor:

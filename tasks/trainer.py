@@ -283,7 +283,13 @@ class Trainer:
         """The model's logits, its forward pass autocast to `compute_dtype` if set, in the dtype
         that gives them (bfloat16 under autocast): the log-softmax and the loss after it run in
         float32 (tasks/loss.py, by chunks of positions), where a bfloat16 logprob would be off by
-        up to 1/128 of its value and the ratio with it."""
+        up to 1/128 of its value and the ratio with it.
+
+        The logits themselves are rounded to bfloat16 under autocast (the LM head runs in it): a
+        step of 0.125 at logits of 16-32, a few hundredths of a logprob on average, more at a low
+        temperature. The LM head is not run in float32 here because its logits and their gradient
+        would take twice the memory of the largest tensors of the pass; SGLang's LM head rounds the
+        same way unless started with --enable-fp32-lm-head."""
         device = self.model.device.type
         autocast = torch.autocast(device, dtype=self.compute_dtype) if self.compute_dtype else contextlib.nullcontext()
         with autocast:

@@ -203,3 +203,14 @@ def test_logprobs_and_entropy_by_chunks_match_the_whole_pass_and_keep_no_float32
     torch.testing.assert_close(logits.grad.float(), expected_grad.float(), atol=1e-3, rtol=1e-2)  # bfloat16, summed in another order
     with torch.no_grad():
         torch.testing.assert_close(token_logprobs(logits, targets, 0.7), expected[0])
+
+
+def test_entropy_is_finite_where_a_logit_is_minus_infinity() -> None:
+    """A model that masks its vocabulary's padding rows to -inf gave p * log p = 0 * -inf, NaN:
+    with an entropy bonus, every step's loss, and the trainer failed after three skipped steps."""
+    logits = torch.tensor([[[0.0, 1.0, -float("inf")]]], requires_grad=True)
+    entropy = token_entropy(logits, temperature=0.7)
+    p = torch.softmax(torch.tensor([0.0, 1.0]) / 0.7, dim=-1)
+    assert entropy.item() == pytest.approx(-(p * p.log()).sum().item(), abs=1e-6)
+    entropy.sum().backward()
+    assert torch.isfinite(logits.grad).all() and logits.grad[0, 0, 2] == 0
