@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -166,7 +167,7 @@ async def _play(
         tokens = result["output_ids"]
         completion += tokens
         mask += [1] * len(tokens)
-        logprobs += [float(entry[0]) for entry in meta["output_token_logprobs"]]
+        logprobs += behaviour_logprobs(meta, tokens)
         turns += 1
         finish = meta["finish_reason"]["type"]
         if finish == "abort":
@@ -227,6 +228,31 @@ def turn_text(tokenizer: PreTrainedTokenizerBase, tokens: list[int], stop_ids: I
     cost the policy nothing."""
     closed = bool(tokens) and tokens[-1] in set(stop_ids)
     return tokenizer.decode(tokens[:-1] if closed else tokens, skip_special_tokens=False)
+
+
+def behaviour_logprobs(meta: dict, tokens: list[int]) -> list[float]:
+    """The engine's logprob of each token of its answer, from meta_info.output_token_logprobs
+    ([logprob, token id, text] per token); EngineAnswerError unless there is one finite logprob
+    per token, for that token. A list one entry short or shifted (an engine or a hand-off part
+    that left one out) would otherwise pass every later check and train each token against
+    another's probability."""
+    entries = meta.get("output_token_logprobs")
+    if not isinstance(entries, list) or len(entries) != len(tokens):
+        given = f"{len(entries)} entries" if isinstance(entries, list) else repr(entries)
+        raise EngineAnswerError(f"an engine answered {len(tokens)} tokens with output_token_logprobs of {given}: "
+                                "tandem needs one logprob per generated token")  # fmt: skip
+    logprobs = []
+    for index, (entry, token) in enumerate(zip(entries, tokens)):
+        logprob = entry[0] if isinstance(entry, (list, tuple)) and len(entry) >= 2 and entry[1] == token else None
+        if type(logprob) not in (int, float) or not math.isfinite(logprob):
+            raise EngineAnswerError(f"an engine's output_token_logprobs[{index}] is {entry!r} for token {token}: "
+                                    "tandem needs [logprob, token id, ...] with a finite logprob, for that token")  # fmt: skip
+        logprobs.append(float(logprob))
+    return logprobs
+
+
+class EngineAnswerError(ValueError):
+    """An engine's /generate answer that does not give what the trainer needs of it."""
 
 
 class PromptTooLong(ValueError):

@@ -28,7 +28,10 @@ from infra.ports import free_port_block
 from tasks.envs import Environment, Prompt, StepResult
 from tasks.envs.calculator import CalculatorEnv
 from tasks.evaluation import evaluate
-from tasks.rollout import EnvironmentFailed, PromptTooLong, check_prompts_fit, model_eos_ids, prompt_token_ids, run_episode, run_group, turn_stop_ids, turn_text
+from tasks.rollout import (
+    EngineAnswerError, EnvironmentFailed, PromptTooLong, behaviour_logprobs, check_prompts_fit, model_eos_ids, prompt_token_ids,
+    run_episode, run_group, turn_stop_ids, turn_text,
+)
 from tests.conftest import committed_model_dir, reference_logprobs
 
 pytestmark = pytest.mark.slow
@@ -484,3 +487,21 @@ def test_a_chat_templates_special_tokens_written_as_text_are_encoded_as_those_to
     assert [i for i in ids if i in (start, end)] == [start, end, start]
     three = tokenizer.convert_tokens_to_ids("3")
     assert turn_text(tokenizer, [three, end], turn_stop_ids(tokenizer, [end])) == "3"
+
+
+@pytest.mark.parametrize(
+    "entries, named",
+    [
+        (None, "output_token_logprobs of None"),
+        ([[-0.5, 7, None]], "3 tokens with output_token_logprobs of 1 entries"),
+        ([[-0.5, 7, None], [-0.1, 9, None], [-0.2, 8, None]], r"\[1\] is \[-0.1, 9, None\] for token 8"),
+        ([[-0.5, 7, None], [None, 8, None], [-0.2, 9, None]], r"\[1\] is \[None, 8, None\]"),
+        ([[-0.5, 7, None], [float("nan"), 8, None], [-0.2, 9, None]], r"\[1\] is \[nan, 8, None\]"),
+    ],
+    ids=["missing", "short", "shifted", "null", "nan"],
+)
+def test_an_answer_without_one_finite_logprob_for_each_of_its_tokens_is_refused(entries, named):
+    """A list one short or shifted would otherwise train each later token against another's probability."""
+    with pytest.raises(EngineAnswerError, match=named):
+        behaviour_logprobs({"output_token_logprobs": entries}, [7, 8, 9])
+    assert behaviour_logprobs({"output_token_logprobs": [[-0.5, 7, None], [-1, 8, "x"], [0.0, 9]]}, [7, 8, 9]) == [-0.5, -1.0, 0.0]
