@@ -28,7 +28,7 @@ from configs.schema import RunConfig
 from infra.storage import open_run_store
 from tasks.lag import read_trainer_state
 from tasks.metrics import MetricsTail
-from tasks.report import summary_rows
+from tasks.report import kept_train_steps, summary_rows
 
 
 TASK_RUN_LOG_LEVEL = "PREFECT_LOGGING_LOGGERS_PREFECT_TASK_RUNS_LEVEL"
@@ -99,7 +99,7 @@ def watch_run(config: RunConfig, futures: list, poll_seconds: float = 1.0, conso
                     warned = True
                 records = None
             if records is not None:
-                trainer = [r for r in records.pop("trainer") if r["event"] == "train_step"]
+                trainer = kept_train_steps(records.pop("trainer"))  # a resumed run's: not its dead trainer's last
                 last = trainer[-1] if trainer else {}
                 step_info = f"v{version} reward {last.get('reward_mean', 0):.2f} lag<={last.get('lag_max', 0):.0f}"
                 progress.update(train, completed=version, info=step_info)

@@ -235,7 +235,11 @@ class Learner:
             # Metrics first: a trainer resumed from this checkpoint must find every step's record
             # up to it, and metrics otherwise reach storage only every few seconds.
             self.metrics.flush()
+            saving = time.monotonic()
             self._checkpoint()
+            seconds = time.monotonic() - saving
+            self.busy_seconds += seconds  # the trainer's time as much as its steps: not idle
+            self.metrics.log("checkpoint", version=self.version, seconds=seconds)
         self._unfinished = None
         return logged
 

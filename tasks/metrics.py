@@ -4,8 +4,9 @@ Each component (trainer, each generator, evaluation) owns its own file, so no tw
 touch one object. The exception is a deployed run's evaluations: the pipeline's closing one may
 finish within the same milliseconds as a triggered one, and then one line is lost. Object
 storage cannot append, so `MetricsLog` keeps the component's lines and rewrites the object
-atomically, at most every `flush_seconds` (longer for a file of many MB) and on close: a reader
-always sees whole lines, and a crash loses at most the last seconds of metrics, never a run's data.
+atomically, at most every `flush_seconds` (longer for a file of many MB: a second per MB) at a
+record and on close: a reader always sees whole lines, and a crash loses the lines since the last
+flush, never a run's data.
 """
 
 from __future__ import annotations

@@ -1,7 +1,9 @@
 """The end of a run: the accounting identity, the summary, and the plots, from the run directory.
 
 Everything here is read back from storage, not taken from the processes' memory, so the same
-report can be made for any run, finished or killed, local or deployed:
+report is made for a local or a deployed run. It is made when the trainer has finished: the
+learner's ledger is written whole then (lag/ledger.json; a killed trainer's stands in its newest
+checkpoint, which its resumed successor goes on from).
 
     generated = trained + dropped_stale + dropped_no_signal + quarantined + duplicate + pending   (samples)
 
@@ -10,9 +12,10 @@ dropped and duplicate counts from the learner's ledger (rows it actually read), 
 listing the committed shards the ledger never disposed of. A shard lost between a generator and
 the trainer would break the equality, which is why it is checked rather than derived.
 
-A shard that no generator recorded (a copy of a shard under a second key, say) is foreign: it is
-counted apart (`foreign_shards`) and its rows are taken out of the ledger's counts, since they
-were never generated. The learner trains a group once whichever copy it reads first, and
+A shard that no generator recorded is foreign: a copy of a shard under a second key, or a shard
+of a generator killed before it flushed its records, which no restart under its name recovered
+(the summary table shows the count and says so). It is counted apart (`foreign_shards`) and its
+rows are taken out of the ledger's counts, so that the identity compares like with like. The learner trains a group once whichever copy it reads first, and
 disposes of the other as a duplicate. A group its environment failed (tasks/failed_groups.py)
 holds no sample: it is counted apart (`groups_failed`).
 """
@@ -87,10 +90,30 @@ def _rows_of(store: RunStore, key: str) -> int:
 
 
 def train_steps(store: RunStore) -> list[dict]:
-    """The trainer's step records, one per version: a trainer killed after a step and resumed
-    from an earlier checkpoint trains that version again, and the later record is the one whose
-    weights the run kept."""
-    by_version = {r["version"]: r for r in read_metrics(store, "trainer") if r["event"] == "train_step"}
+    """The trainer's step records of the weights the run kept (`kept_train_steps`)."""
+    return kept_train_steps(read_metrics(store, "trainer"))
+
+
+def checkpoint_saves(records: list[dict]) -> list[dict]:
+    """The trainer's records of its checkpoint saves, one per version (a save a resumed trainer
+    made again replaces its predecessor's), of the versions its step records keep."""
+    kept = {step["version"] for step in kept_train_steps(records)}
+    saves = {r["version"]: r for r in records if r["event"] == "checkpoint" and r["version"] in kept}
+    return [saves[v] for v in sorted(saves)]
+
+
+def kept_train_steps(records: list[dict]) -> list[dict]:
+    """The train_step records among a trainer's `records` that describe the weights the run kept,
+    one per version, in version order. A trainer resumed from its checkpoint at step K (its
+    "resumed" record) trains K+1, ... again: its dead predecessor's records past K are of weights
+    the run withdrew (tasks/lag.py `reopen_run`), and are dropped there, whether or not the run
+    reaches those versions again (a continued run of fewer steps does not)."""
+    by_version: dict[int, dict] = {}
+    for record in records:
+        if record["event"] == "train_step":
+            by_version[record["version"]] = record
+        elif record["event"] == "resumed":
+            by_version = {version: step for version, step in by_version.items() if version <= record["version"]}
     return [by_version[v] for v in sorted(by_version)]
 
 
@@ -99,13 +122,16 @@ def write_summary(store: RunStore, eval_before: dict | None, eval_after: dict | 
     without evaluation (`env.eval_prompts: 0`). Each figure says which versions it covers: for a
     continued run the evaluations score the continuation (its start and end), while the batch
     rewards span every step the run has trained."""
-    steps = train_steps(store)
+    records = read_metrics(store, "trainer")
+    steps, saves = kept_train_steps(records), checkpoint_saves(records)
     head, tail = steps[: max(1, len(steps) // 10)], steps[-max(1, len(steps) // 10):]
     # Summed over the kept steps, not the last record's running totals: those start again at 0
     # in a resumed trainer, and would describe its life only.
-    busy, idle = sum(r.get("step_seconds", 0.0) for r in steps), sum(r.get("wait_seconds", 0.0) for r in steps)
+    busy = sum(r.get("step_seconds", 0.0) for r in steps) + sum(r["seconds"] for r in saves)
+    idle = sum(r.get("wait_seconds", 0.0) for r in steps)
     summary = {
         "steps": len(steps),
+        "steps_skipped": sum(int(r.get("skipped", 0)) for r in steps),
         "reward_start": _mean(r["reward_mean"] for r in head),
         "reward_end": _mean(r["reward_mean"] for r in tail),
         "reward_versions": [_span(head), _span(tail)],
@@ -119,7 +145,8 @@ def write_summary(store: RunStore, eval_before: dict | None, eval_after: dict | 
     }
     store.write_atomic(SUMMARY_KEY, json.dumps(summary, indent=2).encode())
     plot_reward(store, steps)
-    plot_timeline(store, steps, list(generator_records(store).values()))
+    since = max((r["time"] for r in records if r["event"] == "resumed"), default=None)
+    plot_timeline(store, steps, saves, list(generator_records(store).values()), since)
     return summary
 
 
@@ -139,10 +166,13 @@ def summary_rows(summary: dict) -> list[tuple[str, str]]:
         ("held-out eval score", score),
         ("held-out solved", solved),
         ("batch reward (first / last 10% of steps)", reward),
-        ("train steps", str(summary["steps"])),
+        ("train steps", str(summary["steps"]) + (f", {skipped} of them skipped: a gradient that was not finite, no update"
+                                                 if (skipped := summary.get("steps_skipped")) else "")),
         ("trainer idle fraction", f"{summary['trainer_idle_fraction']:.2f}"),
         ("samples", f"{summary['generated']} generated = {identity}: {'holds' if summary['identity_holds'] else 'BROKEN'}"),
         ("max trained lag", str(summary["max_trained_lag"])),
+        *([("shards no generator recorded", f"{summary['foreign_shards']}, left out of the counts above: copies under a "
+            "second key, or shards of a generator killed before it recorded them")] if summary.get("foreign_shards") else []),
         *([("groups the environment failed", f"{summary['groups_failed']}, set aside in quarantine/ with their tracebacks")]
           if summary.get("groups_failed") else []),
     ]
@@ -156,22 +186,40 @@ def plot_reward(store: RunStore, steps: list[dict]) -> None:
     _save(store, figure, "plots/reward.png")
 
 
-def plot_timeline(store: RunStore, steps: list[dict], groups: list[dict]) -> None:
-    """When the trainer stepped or waited for data, and when generation had groups in flight."""
-    timed = [g for g in groups if "started_at" in g]
-    if not steps and not timed:
+def plot_timeline(store: RunStore, steps: list[dict], saves: list[dict], groups: list[dict], since: float | None = None) -> None:
+    """When the trainer stepped, saved a checkpoint or waited for data, and when generation had
+    groups in flight (`timeline_bars`)."""
+    bars = timeline_bars(steps, saves, groups, since)
+    if bars is None:
         return
-    origin = min([r["time"] - r["step_seconds"] - r["wait_seconds"] for r in steps] + [g["started_at"] for g in timed])
-    train_busy = [(r["time"] - r["step_seconds"] - origin, r["step_seconds"]) for r in steps]
-    train_wait = [(r["time"] - r["step_seconds"] - r["wait_seconds"] - origin, r["wait_seconds"]) for r in steps]
-    generating = _union((g["started_at"] - origin, g["finished_at"] - origin) for g in timed)
     figure, axis = plt.subplots(figsize=(10, 2.6))
-    axis.broken_barh(train_wait, (10, 8), color="#f2c14e", linewidth=0, label="trainer waiting for data")
-    axis.broken_barh(train_busy, (10, 8), color="#2a6f97", linewidth=0, label="trainer stepping")
-    axis.broken_barh([(a, b - a) for a, b in generating], (0, 8), color="#52a675", linewidth=0, label="groups in flight")
-    axis.set(yticks=[4, 14], yticklabels=["generation", "training"], xlabel="seconds since the first step started", title="timeline")
+    axis.broken_barh(bars["waiting"], (10, 8), color="#f2c14e", linewidth=0, label="trainer waiting for data")
+    axis.broken_barh(bars["busy"], (10, 8), color="#2a6f97", linewidth=0, label="trainer stepping or saving a checkpoint")
+    axis.broken_barh(bars["generating"], (0, 8), color="#52a675", linewidth=0, label="groups in flight")
+    start = "the trainer's first wait for data or the first group" + (" after the trainer last resumed" if since is not None else "")
+    axis.set(yticks=[4, 14], yticklabels=["generation", "training"], xlabel=f"seconds since {start}", title="timeline")
     axis.legend(loc="upper center", bbox_to_anchor=(0.5, -0.35), ncol=3, frameon=False)
     _save(store, figure, "plots/timeline.png")
+
+
+def timeline_bars(steps: list[dict], saves: list[dict], groups: list[dict], since: float | None) -> dict | None:
+    """The timeline's (start, width) bars in seconds from its origin: "busy" and "waiting" for the
+    trainer, "generating" for the union of the groups in flight; None with nothing to show. Of a
+    resumed run, only what followed the last resumption (`since`): a continued run's sessions can
+    lie days apart, and its seconds-long steps would not show. A group in flight as the trainer
+    resumed (generators start beside it) shows from then on."""
+    since = since if since is not None else -float("inf")
+    steps = [r for r in steps if r["time"] - r["step_seconds"] - r["wait_seconds"] >= since]
+    saves = [r for r in saves if r["time"] - r["seconds"] >= since]
+    timed = [(max(g["started_at"], since), g["finished_at"]) for g in groups if "started_at" in g and g["finished_at"] >= since]
+    if not steps and not timed:
+        return None
+    origin = min([r["time"] - r["step_seconds"] - r["wait_seconds"] for r in steps] + [start for start, _ in timed])
+    busy = [(r["time"] - r["step_seconds"] - origin, r["step_seconds"]) for r in steps]
+    busy += [(r["time"] - r["seconds"] - origin, r["seconds"]) for r in saves]
+    waiting = [(r["time"] - r["step_seconds"] - r["wait_seconds"] - origin, r["wait_seconds"]) for r in steps]
+    generating = [(a, b - a) for a, b in _union((start - origin, end - origin) for start, end in timed)]
+    return {"busy": sorted(busy), "waiting": waiting, "generating": generating}
 
 
 def _union(intervals) -> list[tuple[float, float]]:

@@ -326,6 +326,21 @@ def test_the_lag_histogram_counts_each_sample_at_its_own_version(tmp_path: Path)
     assert record["lag_histogram"] == {"0": 6, "1": 2}
 
 
+def test_a_checkpoint_save_is_recorded_with_its_seconds_and_counted_busy(tmp_path: Path):
+    """A save (model and optimizer: seconds to minutes on a large model) was neither a step nor a
+    wait: the idle fraction and the timeline left it out."""
+    learner = make_learner(tmp_path, "training.checkpoint_every=2")
+    publish_snapshot(learner.store, learner.trainer.model, learner.tokenizer, 0)
+    for step in (1, 2):
+        for slot in range(2 * step - 2, 2 * step):
+            write_group(learner, f"s{slot:08d}", seq=slot, version=step - 1)
+        record = learner.train_step(learner.admit_batch(poll_seconds=0.01))
+    learner.metrics.flush()
+    (save,) = [r for r in read_metrics(learner.store, "trainer") if r["event"] == "checkpoint"]
+    assert save["version"] == 2 and save["seconds"] > 0
+    assert learner.busy_seconds == pytest.approx(record["busy_seconds"] + save["seconds"])
+
+
 def test_the_trainer_keeps_only_the_newest_checkpoints(tmp_path: Path):
     """A checkpoint is 12 bytes a parameter; every one kept would fill the bucket on a long run.
     Two stay (storage.keep_last_checkpoints), so that a damaged newest falls back to the other."""

@@ -46,7 +46,7 @@ def watched_run(tmp_path: Path, console: Console, reported_per_look: int = 12) -
         trained, as an async run generates ahead of its trainer."""
         version = min(10 * poll, 40)
         publish_trainer_state(store, TrainerState(version))
-        trainer.log("train_step", reward_mean=0.5, lag_max=1, dropped_stale=0, trained=version * per_step)
+        trainer.log("train_step", version=version, reward_mean=0.5, lag_max=1, dropped_stale=0, trained=version * per_step)
         generator.log("group", samples=reported_per_look * per_step)
 
     watch_run(config, [Finishing(polls=3, on_poll=advance)], poll_seconds=0.0, console=console)

@@ -11,7 +11,7 @@ from configs.schema import StorageConfig
 from infra.storage import open_run_store
 from tasks.ledger import LEDGER_KEY, Ledger
 from tasks.metrics import MetricsLog, MetricsTail, read_metrics
-from tasks.report import _union, accounting, summary_rows, train_steps, write_summary
+from tasks.report import _union, accounting, kept_train_steps, summary_rows, timeline_bars, train_steps, write_summary
 from tasks.failed_groups import set_aside_group
 from tasks.shards import write_shard
 from tests.test_shards import make_rollouts
@@ -29,6 +29,23 @@ def test_a_resumed_trainer_counts_each_version_once_with_its_last_record(tmp_pat
         trainer.log("train_step", **{k: v for k, v in step_record(version, reward, 100.0 + version).items() if k != "time"})
     steps = train_steps(store)
     assert [(s["version"], s["reward_mean"]) for s in steps] == [(1, 0.1), (2, 0.25), (3, 0.3)]
+
+
+def test_the_steps_a_dead_trainer_made_past_its_checkpoint_are_dropped_though_the_run_stops_short_of_them(tmp_path):
+    """A continued run of fewer steps: killed at v5 with its checkpoint at v2, resumed and
+    finished at v3. v4 and v5 were withdrawn; the summary, the plots and the progress bars must
+    not describe them."""
+    store = open_run_store(StorageConfig(root=f"file://{tmp_path}"), "run")
+    trainer = MetricsLog(store, "trainer", flush_seconds=0)
+    for version in (1, 2, 3, 4, 5):
+        trainer.log("train_step", **{k: v for k, v in step_record(version, 0.9, 100.0 + version).items() if k != "time"})
+    trainer.log("resumed", version=2, disposed=8)
+    trainer.log("train_step", **{k: v for k, v in step_record(3, 0.3, 200.0).items() if k != "time"})
+    steps = train_steps(store)
+    assert [(s["version"], s["reward_mean"]) for s in steps] == [(1, 0.9), (2, 0.9), (3, 0.3)]
+    summary = write_summary(store, None, None)
+    assert summary["steps"] == 3 and summary["reward_versions"] == [[1, 1], [3, 3]]
+    assert kept_train_steps(read_metrics(store, "trainer")[:-1])[-1]["version"] == 2, "before the resumed trainer's first step"
 
 
 def test_the_idle_fraction_covers_every_life_of_a_resumed_trainer(tmp_path):
@@ -74,6 +91,32 @@ def test_a_copy_of_a_shard_under_a_second_key_is_foreign_and_leaves_the_identity
     counts = accounting(store)
     assert counts["foreign_shards"] == 1 and counts["identity_holds"], counts
     assert (counts["generated"], counts["trained"], counts["duplicate"], counts["pending"]) == (16, 0, 8, 8)
+    rows = dict(summary_rows({**counts, "eval_before": None, "steps": 1, "reward_start": 0.0, "reward_end": 0.0, "trainer_idle_fraction": 0.0}))
+    assert rows["shards no generator recorded"].startswith("1, left out of the counts above"), "shown, not in summary.json only"
+
+
+def test_checkpoint_saves_count_as_the_trainers_time_and_skipped_steps_are_shown(tmp_path):
+    store = open_run_store(StorageConfig(root=f"file://{tmp_path}"), "run")
+    trainer = MetricsLog(store, "trainer", flush_seconds=0)
+    for version in (1, 2):
+        record = {k: v for k, v in step_record(version, 0.5, 0).items() if k != "time"}
+        trainer.log("train_step", **record, skipped=float(version == 2))
+    trainer.log("checkpoint", version=2, seconds=1.3)
+    summary = write_summary(store, None, None)
+    assert summary["trainer_idle_fraction"] == pytest.approx(0.4 / (0.4 + 1.0 + 1.3)), "a save is neither idle nor missing"
+    assert dict(summary_rows(summary))["train steps"] == "2, 1 of them skipped: a gradient that was not finite, no update"
+
+
+def test_the_timeline_of_a_resumed_run_starts_where_the_trainer_last_resumed():
+    """A continued run's sessions can lie days apart: on one axis its steps would not show."""
+    old = [{"version": 1, "time": 100.0, "step_seconds": 1.0, "wait_seconds": 1.0}]
+    new = [{"version": 2, "time": 90_010.0, "step_seconds": 2.0, "wait_seconds": 3.0}]
+    saves = [{"version": 2, "time": 90_011.0, "seconds": 1.0}]
+    groups = [{"started_at": 97.0, "finished_at": 99.0}, {"started_at": 89_990.0, "finished_at": 90_004.0},
+              {"started_at": 90_004.0, "finished_at": 90_008.0}]  # fmt: skip
+    bars = timeline_bars(old + new, saves, groups, since=90_000.0)
+    assert bars == {"busy": [(8.0, 2.0), (10.0, 1.0)], "waiting": [(5.0, 3.0)], "generating": [(0.0, 8.0)]}
+    assert timeline_bars(old + new, saves, groups, since=None)["waiting"][0] == (1.0, 1.0), "a run never resumed: all of it"
 
 
 def test_a_group_the_environment_failed_is_counted_apart_and_is_not_foreign(tmp_path):
