@@ -96,7 +96,8 @@ class EngineConfig(Section):
     host: str = "127.0.0.1"
     """Address engines bind; loopback unless you mean to expose them."""
     base_port: int = Field(0, ge=0, le=65000)
-    """Port of the first engine (engine i listens on base_port + i); 0 picks free ports."""
+    """Port of a machine's first generation engine (engine i, counted over its local generators,
+    listens on base_port + i; each must be free); 0 picks free ports. An evaluation's engine always does."""
     api_key: Credential = None
     """Bearer token every engine request must carry (SGLang's --api-key); null disables it."""
     max_batch_size: int = Field(32, ge=1, le=1024)

@@ -38,10 +38,13 @@ def evaluation(config: RunConfig, version: int | None = None) -> dict:
         committed_version(store, version)
         with scratch_dir("tandem-eval-") as cache:
             model_dir = load_snapshot(store, cache, version)
-            with EngineFleet(config.engine, 1, model_dir, version, cache / "logs") as fleet:
+            # On a free port: the machine's generators may hold engine.base_port's range.
+            with EngineFleet(config.engine.model_copy(update={"base_port": 0}), 1, model_dir, version, cache / "logs") as fleet:
 
                 async def score() -> dict:
-                    async with EngineClient(fleet.urls, api_key=fleet.api_key) as client:
+                    # engine.request_timeout_s, as in generation: the client's default (120 s) failed
+                    # the evaluation of long answers queued 64 at a time on one engine.
+                    async with EngineClient(fleet.urls, api_key=fleet.api_key, request_timeout=config.engine.request_timeout_s) as client:
                         return await evaluate(client, model_dir, config, version)
 
                 result = asyncio.run(score())

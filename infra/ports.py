@@ -31,14 +31,15 @@ def free_port_block(count: int = 1, start: int = 20000, end: int = 32000) -> int
     seed = min(max(seed, start), end - count)
     for base in list(range(seed, end - count + 1, count)) + list(range(start, seed, count)):
         block = range(base, base + count)
-        if _handed_out.isdisjoint(block) and all(_port_is_free(port) for port in block):
+        if _handed_out.isdisjoint(block) and all(port_is_free(port) for port in block):
             _after_last_block = base + count
             _handed_out.update(block)
             return base
     raise RuntimeError(f"no block of {count} free ports between {start} and {end}")
 
 
-def _port_is_free(port: int) -> bool:
+def port_is_free(port: int) -> bool:
+    """Whether a server could listen on `port` of 127.0.0.1 now (one listening on any address could not)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         try:
             sock.bind(("127.0.0.1", port))

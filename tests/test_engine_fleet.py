@@ -179,3 +179,22 @@ def test_an_engine_that_does_not_start_again_is_tried_later_while_the_others_ser
         time.sleep(1.1)
         assert fleet.restart_dead() == [fleet.urls[0]] and fleet.restarts == 1
         assert fleet.processes[1] is healthy and all(p.is_healthy() for p in fleet.processes)
+
+
+def test_fixed_ports_are_numbered_across_a_machines_fleets_and_a_port_in_use_is_refused(tmp_path: Path):
+    """Two local generators' fleets once took the same engine.base_port range: the second's start
+    was judged by /health answered by the first's engines, and it served other weights unknowingly."""
+    import socket
+
+    from infra.engines.process import EngineStartError
+    from infra.ports import free_port_block
+
+    base = free_port_block(count=4)
+    engine = EngineConfig(base_port=base)
+    assert EngineFleet(engine, 2, tmp_path, 0, tmp_path / "logs", first_engine=0).ports == [base, base + 1]
+    assert EngineFleet(engine, 2, tmp_path, 0, tmp_path / "logs", first_engine=2).ports == [base + 2, base + 3]
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", base + 3))
+        server.listen()
+        with pytest.raises(EngineStartError, match=rf"engine.base_port {base}: port {base + 3} of this machine's engines 2-3"):
+            EngineFleet(engine, 2, tmp_path, 0, tmp_path / "logs", first_engine=2)

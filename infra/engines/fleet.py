@@ -34,7 +34,7 @@ from anyio.from_thread import BlockingPortal, start_blocking_portal
 from configs.schema import EngineConfig
 from infra.engines.control import EngineControl, WeightSyncResult
 from infra.engines.process import EngineProcess, EngineStartError, cpu_engine_process
-from infra.ports import free_port_block
+from infra.ports import free_port_block, port_is_free
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -55,8 +55,7 @@ class EngineFleet:
         self.model_dir = model_dir
         self.version = version
         self.log_dir = log_dir
-        base = engine.base_port or free_port_block(count=count)
-        self.ports = [base + i for i in range(count)]
+        self.ports = self._ports(engine, count, first_engine)
         self.processes: list[EngineProcess] = [self._process(port) for port in self.ports]
         self.engine_versions = [version] * count
         """The version each engine serves: behind `version` after it failed that load."""
@@ -67,6 +66,23 @@ class EngineFleet:
         self._control = ExitStack()
         self._portal: BlockingPortal | None = None
         self._client: EngineControl | None = None
+
+    @staticmethod
+    def _ports(engine: EngineConfig, count: int, first_engine: int) -> list[int]:
+        """The fleet's ports: free ones, or with engine.base_port, engine i of the machine's on
+        base_port + i. Those must be free: an engine's start is judged by /health answering on
+        its port, which another fleet's engine there (a second generator's, before they were
+        numbered apart) answered for it, and the fleet then served other weights unknowingly."""
+        if not engine.base_port:
+            return [free_port_block(count=count) + i for i in range(count)]
+        ports = [engine.base_port + first_engine + i for i in range(count)]
+        if taken := [port for port in ports if not port_is_free(port)]:
+            raise EngineStartError(
+                f"engine.base_port {engine.base_port}: port {', '.join(map(str, taken))} of this machine's engines "
+                f"{first_engine}-{first_engine + count - 1} (base_port + i) is in use, by another run's engines or another "
+                "server: give engine.base_port a free range, or 0 to pick free ports"
+            )  # fmt: skip
+        return ports
 
     @property
     def urls(self) -> list[str]:
