@@ -8,11 +8,13 @@ path and what is allowed, so the CLI can print it and exit 2 before anything is 
 from __future__ import annotations
 
 import reprlib
+import types
+import typing
 from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, SecretStr, ValidationError
 
 from configs.schema import RunConfig
 
@@ -67,7 +69,44 @@ def read_yaml_mapping(path: Path) -> dict[str, Any]:
         raise ConfigError(
             f"{path}: the config must be a mapping of sections, got a YAML {type(data).__name__}"
         )
-    return data
+    _keep_text_as_written(data, yaml.compose(text, Loader=_UniqueKeyLoader))
+    # A section whose keys are all commented out is null to YAML: empty, not "not a dictionary".
+    return {key: {} if value is None and section_model(RunConfig, [key]) else value for key, value in data.items()}
+
+
+def _keep_text_as_written(data: dict[str, Any], document: yaml.MappingNode) -> None:
+    """Give each text field that YAML read as something else (`run_id: 007` the number 7,
+    `0777` 511 in YAML 1.1, `1:30` 90, `2024-12-07` a date, `yes` true) its text as written."""
+    for path in TEXT_FIELDS:
+        node, value = document, data
+        for key in path:
+            if not (isinstance(node, yaml.MappingNode) and isinstance(value, dict) and key in value):
+                break
+            node = next(v for k, v in node.value if k.value == key)
+            value = value[key]
+        else:
+            if value is not None and not isinstance(value, str) and isinstance(node, yaml.ScalarNode) and not node.style:
+                parent = data
+                for key in path[:-1]:
+                    parent = parent[key]
+                parent[path[-1]] = node.value
+
+
+def _text_fields(model: type[BaseModel], prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    """The paths of `model`'s fields that hold text (a str or a secret, or null)."""
+    paths = []
+    for name, field in model.model_fields.items():
+        union = typing.get_origin(field.annotation) in (typing.Union, types.UnionType)
+        kinds = [t for t in typing.get_args(field.annotation) if t is not type(None)] if union else [field.annotation]
+        if sections := [t for t in kinds if isinstance(t, type) and issubclass(t, BaseModel)]:
+            paths += _text_fields(sections[0], (*prefix, name))
+        elif all(t in (str, SecretStr) for t in kinds):
+            paths.append((*prefix, name))
+    return paths
+
+
+TEXT_FIELDS = _text_fields(RunConfig)
+"""Paths of the config's text fields: `run_id`, `model.path`, `engine.api_key`, ..."""
 
 
 YAML_INDICATORS = "&*!#|>%@`"
@@ -95,6 +134,8 @@ def apply_override(data: dict[str, Any], override: str) -> None:
             value = yaml.safe_load(raw_value)
         except yaml.YAMLError:
             value = raw_value
+        if tuple(keys) in TEXT_FIELDS and value is not None and not isinstance(value, str):
+            value = text  # a text field as written: `run_id=007` is not run 7
     node = data
     for depth, key in enumerate(keys[:-1]):
         child = node.setdefault(key, {})

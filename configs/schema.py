@@ -51,7 +51,7 @@ class ModelConfig(Section):
     num_layers: int = Field(2, ge=1, le=96)
     """Transformer blocks of the factory-built model."""
     num_heads: int = Field(4, ge=1, le=128)
-    """Attention heads of the factory-built model (must divide hidden_size)."""
+    """Attention heads of the factory-built model (must divide hidden_size into an even head size)."""
     intermediate_size: int = Field(512, ge=8, le=65536)
     """MLP width of the factory-built model."""
     max_position_embeddings: int = Field(64, ge=16, le=131072)
@@ -67,6 +67,11 @@ class ModelConfig(Section):
             raise ValueError(
                 f"num_heads ({self.num_heads}) must divide hidden_size ({self.hidden_size})"
             )
+        if (self.hidden_size // self.num_heads) % 2:
+            raise ValueError(
+                f"hidden_size / num_heads ({self.hidden_size} / {self.num_heads} = {self.hidden_size // self.num_heads}) must be "
+                "even: rotary position embeddings turn a head's dimensions in pairs"
+            )  # fmt: skip
         return self
 
 

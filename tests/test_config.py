@@ -112,6 +112,7 @@ BAD_CONFIGS = [
     ("generation:\n  temperature: -0.5\n", [], "generation.temperature"),
     ("storage:\n  root: ftp://host/x\n", [], "storage.root"),
     ("model:\n  hidden_size: 100\n  num_heads: 3\n", [], "num_heads (3) must divide hidden_size"),
+    ("model:\n  hidden_size: 12\n  num_heads: 4\n", [], "hidden_size / num_heads (12 / 4 = 3) must be even"),
     ("training: 5\n", [], "training"),
     ("lag: [1, 2]\n", [], "lag"),
     ("env:\n  entrypoint: not an import path\n", [], "env.entrypoint"),
@@ -342,6 +343,25 @@ def test_initialize_run_refuses_what_does_not_load_before_writing_anything(tmp_p
 def test_a_run_id_of_digits_is_a_name_in_yaml_as_on_the_command_line():
     assert load_config(CONFIG_DIR / "tiny.yaml", ["run_id=2024"]).run_id == "2024"
     assert RunConfig.model_validate({"run_id": 7}).run_id == "7"
+
+
+@pytest.mark.parametrize("written", ["007", "0777", "0x1F", "2024-12-07", "yes", "1_000"])
+def test_a_text_field_is_read_as_written_in_a_file_and_an_override(tmp_path: Path, written: str):
+    """YAML reads `007` as 7, `0777` as 511, `2024-12-07` as a date: run 007 was opened as run 7."""
+    path = tmp_path / "run.yaml"
+    path.write_text(f"run_id: {written}\nstorage:\n  key: {written}\n  secret: {written}\nlag:\n  max_lag: 0x2\n")
+    from_file = load_config(path)
+    assert from_file.run_id == written and from_file.storage.key.get_secret_value() == written
+    assert from_file.lag.max_lag == 2, "a number field is YAML's number still"
+    assert load_config(CONFIG_DIR / "tiny.yaml", [f"run_id={written}", f"engine.api_key={written}"]).run_id == written
+    path.write_text("run_id: '7'\n")
+    assert load_config(path).run_id == "7"
+
+
+def test_a_section_whose_keys_are_all_commented_out_is_empty(tmp_path: Path):
+    path = tmp_path / "run.yaml"
+    path.write_text("training:\n  # steps: 5\nlag:\n  max_lag: 1\n")
+    assert load_config(path, ["training.steps=7"]).training.steps == 7
 
 
 def test_a_pretrained_model_gets_its_own_training_defaults_and_given_values_win(tmp_path: Path):
