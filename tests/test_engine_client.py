@@ -24,7 +24,7 @@ import uvicorn
 
 from configs.schema import ModelConfig, SimLatencyConfig
 from infra.engines.api import SamplingParams, oldest_weight_version
-from infra.engines.client import KEEPALIVE_SECONDS, EngineClient, EngineRequestError, NoHealthyEngine
+from infra.engines.client import KEEPALIVE_SECONDS, EngineClient, EngineClientClosed, EngineRequestError, NoHealthyEngine
 from infra.engines.control import EngineControl
 from infra.engines.handoff import continued_seed, handed_off_finish, joined_parts
 from infra.engines.process import EngineProcess, cpu_engine_process
@@ -320,6 +320,30 @@ def test_an_abort_the_client_did_not_send_ends_requests_and_hands_nothing_off(en
     results, status = asyncio.run(scenario())
     assert [r["meta_info"]["finish_reason"]["type"] for (r,) in results] == ["abort"] * 24
     assert [s["handed_off"] for s in status] == [0, 0] and sum(s["completed"] for s in status) == 24, status
+
+
+def test_a_closed_client_ends_its_requests_and_opens_no_pool_or_probe_again():
+    """A Dask worker closes its client when the run ends (tasks/worker.py release_worker_state)
+    while another try of a chunk may still be playing: that request failed on the closed pool,
+    took its engine out of rotation, and opened a pool and a probe that polled the stopped
+    engines for as long as the worker lived."""
+    url = f"http://127.0.0.1:{free_port_block()}"  # nothing listens: every try fails, and the probe runs
+
+    async def scenario():
+        client = EngineClient([url], retry_seconds=30)
+        await client.__aenter__()
+        request = asyncio.create_task(client.generate([1, 2], SamplingParams(max_new_tokens=2)))
+        await asyncio.sleep(0.3)
+        assert not client.endpoints[0].healthy
+        await client.close()
+        started = time.monotonic()
+        with pytest.raises(EngineClientClosed):
+            await request
+        await asyncio.sleep(0.1)
+        return time.monotonic() - started, client._prober.done(), client._session.closed
+
+    waited, probe_done, pool_closed = asyncio.run(scenario())
+    assert waited < 5 and probe_done and pool_closed
 
 
 def test_joined_parts_keep_the_order_and_the_lowest_weight_version():

@@ -66,6 +66,10 @@ class NoHealthyEngine(RuntimeError):
     """Every engine failed for longer than the client's retry budget."""
 
 
+class EngineClientClosed(RuntimeError):
+    """A request through a client that was closed (a Dask worker's, released at the run's end)."""
+
+
 @dataclass(eq=False)
 class _Movable:
     """One single-sample request the client may hand off: the rid of its current attempt (a
@@ -157,10 +161,16 @@ class EngineClient:
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._session: aiohttp.ClientSession | None = None
         self._prober: asyncio.Task | None = None
+        self._closed = False
 
     @property
     def http(self) -> aiohttp.ClientSession:
-        """The client's connection pool, made on first use inside the running event loop."""
+        """The client's connection pool, made on first use inside the running event loop. None
+        after `close`: a request still in flight then failed on the closed pool, counted its engine
+        unhealthy, and opened a pool and a probe that nothing closed again, polling the run's
+        stopped engines for as long as the Dask worker lived."""
+        if self._closed:
+            raise EngineClientClosed("the engine client is closed")
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(
                 headers=self.headers,
@@ -177,8 +187,10 @@ class EngineClient:
         await self.close()
 
     async def close(self) -> None:
-        if self._prober:
-            self._prober.cancel()
+        self._closed = True
+        for task in [self._prober, *self._hand_offs]:
+            if task is not None:
+                task.cancel()
         if self._session is not None:
             await self._session.close()
 
@@ -230,6 +242,8 @@ class EngineClient:
     async def _post_balanced(self, path: str, body: dict, movable: _Movable | None = None):
         waited, delay, first_failure = 0.0, 0.05, None
         while True:
+            if self._closed:  # not another retry for the budget's rest: no one waits for the answer
+                raise EngineClientClosed("the engine client is closed")
             endpoint = self._pick()
             if endpoint is not None:
                 endpoint.outstanding += 1
@@ -324,7 +338,7 @@ class EngineClient:
         if endpoint.healthy:
             log.warning("engine %s out of rotation: %s", endpoint.url, reason)
         endpoint.healthy = False
-        if self._prober is None or self._prober.done():
+        if not self._closed and (self._prober is None or self._prober.done()):
             self._prober = asyncio.create_task(self._probe_unhealthy())
 
     async def _probe_unhealthy(self) -> None:
