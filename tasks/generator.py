@@ -95,8 +95,18 @@ class Generator:
         """The weights that work started now runs on: the fleet's, or, while the engines are
         paused for a load, the version being loaded (what is sent meanwhile waits for it; on an
         engine whose load fails it runs on the old weights, and the engine's own report of the
-        version, which the rollout records, says so)."""
-        return self.fleet.version if self._loading_version is None else self._loading_version
+        version, which the rollout records, says so).
+
+        If no engine loaded the fleet's version, the newest older one an engine serves: admission
+        counted the version none of them had, and the generator made groups for slots that need
+        it, which the rollouts' own version (the engines') then made stale, every one at max_lag
+        0, until a reload took."""
+        if self._loading_version is not None:
+            return self._loading_version
+        versions = self.fleet.engine_versions
+        if self.fleet.version in versions:
+            return self.fleet.version
+        return max((v for v in versions if v < self.fleet.version), default=self.fleet.version)
 
     def refresh_weights(self, while_loading: Callable[[], object] | None = None) -> dict[str, float] | None:
         """Load the newest committed snapshot into the engines if it is another than theirs:

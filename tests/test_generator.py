@@ -154,7 +154,8 @@ def test_a_retried_group_finds_its_commit_from_an_engine_that_failed_a_load(gene
     _publish_v1(gen, store)
     v0_weights = gen.fleet.model_dir
     assert not gen.fleet.update_weights(tmp_path / "missing", 1)[0].ok
-    assert gen.loaded_version == 1 and gen.fleet.engine_versions == [0]
+    assert gen.fleet.version == 1 and gen.fleet.engine_versions == [0]
+    assert gen.loaded_version == 0, "admission counts the weights an engine serves, not a version none loaded"
     spec = gen.spec(0)
     first = generate_group(spec)
     assert first is not None and first.policy_version == 0 and first.created
