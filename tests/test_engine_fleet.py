@@ -109,6 +109,23 @@ def test_a_load_that_outlasted_its_sync_is_not_loaded_again_once_the_engine_serv
         assert [(r.ok, r.weight_version) for r in results] == [(True, "1")] and fleet.engine_versions == [1]
 
 
+def test_an_engine_found_serving_the_version_already_is_continued_after_a_pre_pause(tmp_path: Path):
+    """The generator pauses every engine before a sync; one the sync sends no load to, since it
+    serves the version already, stayed paused, healthy and in rotation, every request to it
+    waiting until the next sync."""
+    models = [committed_model_dir(tmp_path / f"v{i}", seed=i) for i in range(2)]
+    slow = EngineConfig(backend="sim", sim=SimLatencyConfig(load_s_per_gb=1500), weight_load_timeout_s=1.0)
+    with EngineFleet(slow, 1, models[0], 0, tmp_path / "logs") as fleet:
+        assert [r.ok for r in fleet.update_weights(models[1], 1)] == [False]
+        deadline = time.monotonic() + 30
+        while engine_state(fleet.urls[0]) != ("1", False) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert fleet.pause() is True and engine_state(fleet.urls[0]) == ("1", True)
+        results = fleet.update_weights(models[1], 1)
+        assert [(r.ok, r.message) for r in results] == [(True, "serving it already: an earlier load finished late")]
+        assert engine_state(fleet.urls[0]) == ("1", False), "left paused"
+
+
 def test_no_second_load_goes_to_an_engine_while_one_it_never_answered_may_run(tmp_path: Path):
     """The v1 load (about 3 s) outlasts its 1 s sync, and the v2 sync comes while it runs: SGLang's
     server exits on a second load sent while a first runs in a pause. The v2 sync waits its 1 s

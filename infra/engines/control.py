@@ -100,14 +100,11 @@ class EngineControl(EngineClient):
                 return WeightSyncResult(endpoint.url, False, endpoint.weight_version, "skipped: out of rotation, not answering")
             unanswered = endpoint.load_sent is not None
             if unanswered and (running := await self._wait_for_unanswered_load(endpoint, timeout)):
-                try:  # the caller's pre-pause (`pause`) would otherwise hold it paused while in rotation
-                    await self._control(endpoint, "/continue_generation", {}, timeout=5.0)
-                    endpoint.paused = False
-                except (*TRANSPORT_ERRORS, EngineRequestError) as err:
-                    self._mark_unhealthy(endpoint, f"continue after a skipped load failed: {err!r}")
+                await self._continue_skipped(endpoint)
                 return WeightSyncResult(endpoint.url, False, endpoint.weight_version, running)
             if (unless_serving or unanswered) and await self._weight_version(endpoint.url) == weight_version:
                 endpoint.weight_version = weight_version
+                await self._continue_skipped(endpoint)
                 return WeightSyncResult(endpoint.url, True, weight_version, "serving it already: an earlier load finished late")
             return await self._update_one(endpoint, model_path, weight_version, timeout, pause_mode)
 
@@ -121,6 +118,18 @@ class EngineControl(EngineClient):
         if errors := [r for r in results if isinstance(r, BaseException)]:
             raise errors[0]
         return results
+
+    async def _continue_skipped(self, endpoint: Endpoint) -> None:
+        """Continue an engine this sync sends no load to, if it is paused: the caller's pre-pause
+        (`pause`) would otherwise hold it, healthy and in rotation, with every request sent to it
+        waiting until the next sync."""
+        if not endpoint.paused:
+            return
+        try:
+            await self._control(endpoint, "/continue_generation", {}, timeout=5.0)
+            endpoint.paused = False
+        except (*TRANSPORT_ERRORS, EngineRequestError) as err:
+            self._mark_unhealthy(endpoint, f"continue after a skipped load failed: {err!r}")
 
     async def pause(self, mode: str = "retract", timeout: float = 10.0) -> bool:
         """Pause every engine: a request sent from now on waits in its queue until the engine is
