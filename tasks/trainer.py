@@ -223,20 +223,33 @@ class Trainer:
     def supervised_step(
         self, input_ids: Tensor, attention_mask: Tensor, loss_mask: Tensor
     ) -> dict[str, float]:
-        """One warm-start step: cross-entropy of the model tokens (loss_mask per token) only."""
+        """One warm-start step: cross-entropy of the model tokens (loss_mask per token) only, over
+        micro-batches of `training.micro_batch_size` rows (each its share of the batch's token
+        mean) as in an RL step: the warm-start's 64 demonstrations in one pass did not fit a
+        real model's GPU, which the RL steps' micro-batches do."""
         if self.warmup_optimizer is None:
             raise RuntimeError("the warm-start must come before v0 is trained on (version 0 only)")
         device = self.model.device
-        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
         self.model.train()
-        inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "use_cache": False}
-        logits = self._logits(self.model, inputs)
-        logprobs = token_logprobs(logits[:, :-1], input_ids[:, 1:])
-        model_tokens = loss_mask[:, 1:].to(device).bool()
-        tokens = model_tokens.sum()
-        loss = -torch.where(model_tokens, logprobs, 0.0).sum() / tokens.clamp(min=1)
-        step = self._apply(loss, self.warmup_optimizer)
-        return {"loss": loss.item(), "tokens": float(tokens.item())} | step
+        tokens = loss_mask[:, 1:].bool().sum()
+        size = self.cfg.micro_batch_size or input_ids.shape[0]
+        loss_total = 0.0
+        try:  # gradients accumulate over the micro-batches; a failure leaves none behind
+            for rows in torch.arange(input_ids.shape[0]).split(size):
+                length = int(attention_mask[rows].sum(dim=1).max())  # the part's longest row, not the batch's
+                ids = input_ids[rows, :length].to(device)
+                inputs = {"input_ids": ids, "attention_mask": attention_mask[rows, :length].to(device), "use_cache": False}
+                logprobs = token_logprobs(self._logits(self.model, inputs)[:, :-1], ids[:, 1:])
+                model_tokens = loss_mask[rows, 1:length].to(device).bool()
+                loss = -torch.where(model_tokens, logprobs, 0.0).sum() / tokens.clamp(min=1)
+                loss.backward()
+                loss_total += loss.item()
+            step = self._step(self.warmup_optimizer)
+            if step["skipped"]:
+                raise FloatingPointError(f"a warm-start step's gradient norm is {step['grad_norm']}: lower training.warmup_lr")
+        finally:
+            self.warmup_optimizer.zero_grad(set_to_none=True)
+        return {"loss": loss_total, "tokens": float(tokens.item())} | step
 
     def rl_step(self, batch: TrainBatch) -> dict[str, float]:
         """One RL optimizer step on `batch`; the model becomes version V + 1."""
@@ -294,18 +307,6 @@ class Trainer:
         autocast = torch.autocast(device, dtype=self.compute_dtype) if self.compute_dtype else contextlib.nullcontext()
         with autocast:
             return model(**inputs).logits
-
-    def _apply(self, loss: Tensor, optimizer: torch.optim.Optimizer) -> dict[str, float]:
-        """Backward, clip, step (the warm-start's); grad_norm is the norm before clipping. A
-        non-finite gradient fails it: the warm-start's data and learning rate are the user's."""
-        try:
-            loss.backward()
-            step = self._step(optimizer)
-            if step["skipped"]:
-                raise FloatingPointError(f"a warm-start step's gradient norm is {step['grad_norm']}: lower training.warmup_lr")
-            return step
-        finally:
-            optimizer.zero_grad(set_to_none=True)
 
     def _step(self, optimizer: torch.optim.Optimizer) -> dict[str, float]:
         """Clip the accumulated gradients and step; grad_norm is the norm before clipping."""

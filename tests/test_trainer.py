@@ -206,6 +206,24 @@ def test_supervised_step_is_cross_entropy_of_model_tokens_and_decreases() -> Non
     assert trainer.version == 0
 
 
+def test_a_warm_start_step_in_micro_batches_is_the_same_step() -> None:
+    """64 demonstrations in one pass did not fit a real model's GPU: the warm-start takes
+    training.micro_batch_size rows a pass, as the RL step does, for the same loss and update."""
+    batch = build_supervised_batch(WARM)
+    results, passes = [], []
+    for micro in (None, 1):
+        model = tiny_model()
+        model.register_forward_pre_hook(lambda _, args, kwargs: passes.append((micro, kwargs["input_ids"].shape[0])), with_kwargs=True)
+        step = Trainer(model, TrainingConfig(warmup_lr=1e-2, micro_batch_size=micro)).supervised_step(*batch)
+        results.append((step, [p.detach().clone() for p in model.parameters()]))
+    assert passes == [(None, len(WARM))] + [(1, 1)] * len(WARM)
+    (whole, whole_weights), (parts, parts_weights) = results
+    assert parts["loss"] == pytest.approx(whole["loss"], rel=1e-5) and parts["tokens"] == whole["tokens"] == 8
+    assert parts["grad_norm"] == pytest.approx(whole["grad_norm"], rel=1e-4)
+    for a, b in zip(whole_weights, parts_weights, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
 def test_supervised_loss_ignores_env_tokens() -> None:
     # an env token changes the context of every later token, so the env tokens differ only at the
     # end, where nothing is predicted from them: the loss must not see them as targets either
