@@ -124,6 +124,16 @@ class EngineConfig(Section):
     sim: SimLatencyConfig = Field(default_factory=SimLatencyConfig)
     """Latency model of `backend: sim`."""
 
+    @model_validator(mode="after")
+    def _requests_outwait_a_load(self) -> EngineConfig:
+        if self.request_timeout_s <= self.weight_load_timeout_s:
+            raise ValueError(
+                f"engine.request_timeout_s ({self.request_timeout_s:g}) must exceed engine.weight_load_timeout_s "
+                f"({self.weight_load_timeout_s:g}): requests sent while a snapshot loads wait in the paused engines, "
+                "and each one that timed out would take its engine out of rotation at every load"
+            )  # fmt: skip
+        return self
+
 
 class GenerationConfig(Section):
     """The generation side: how many engines, how episodes are sampled."""
@@ -140,9 +150,11 @@ class GenerationConfig(Section):
     are alike, so their advantages are all 0 (evaluation decodes greedily by itself), and engines
     decode greedily below about 1e-5. The trainer scores the same softmax(logits / temperature)."""
     top_p: float = Field(1.0, gt=0, le=1)
-    """Nucleus sampling mass."""
+    """Nucleus sampling mass. Below 1 the engines sample from the cut distribution, but report,
+    and the trainer scores, the whole softmax: the ratio then departs from 1 even at lag 0."""
     top_k: TopK = -1
-    """Top-k cut-off; -1 disables it (SGLang's convention, which refuses 0)."""
+    """Top-k cut-off; -1 disables it (SGLang's convention, which refuses 0). Set, it departs from
+    what the trainer scores as top_p below 1 does."""
     max_new_tokens: int = Field(16, ge=1, le=32768)
     """Most tokens the model generates in one turn."""
     hand_off_stragglers: bool = True
@@ -339,8 +351,8 @@ class PrefectConfig(Section):
     watch_seconds: float = Field(2.0, gt=0, le=600)
     """Deployed mode: how often the parent looks at its children and the scale request."""
     evaluate_every: int = Field(0, ge=0, le=1_000_000)
-    """Mark each published snapshot whose version is a multiple of this for evaluation (the
-    `evaluation` trigger); 0: none."""
+    """Deployed mode: mark each published snapshot whose version is a multiple of this for
+    evaluation (the `evaluation` deployment's trigger; a local run has none); 0: none."""
     evaluation_pin_hours: float = Field(24.0, gt=0, le=8760)
     """How long retention keeps a snapshot for an evaluation that has not unpinned it: one marked
     for its triggered run that never starts, or whose run was killed."""

@@ -131,5 +131,5 @@ def pin_for_evaluation(config: RunConfig, store: RunStore, version: int) -> None
     """Pin `version` for the evaluation its announcement triggers in deployed mode (the evaluation
     flow unpins it), so that retention cannot delete it before that run has loaded it; for
     `prefect.evaluation_pin_hours` only, since that run may never start."""
-    if config.prefect.mode == "deployed" and due_for_evaluation(config, version):
+    if due_for_evaluation(config, version):
         pin_snapshot(store, f"eval-v{version}", version, lapse_seconds=config.prefect.evaluation_pin_hours * 3600)

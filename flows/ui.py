@@ -143,9 +143,11 @@ def publish_evaluation(run_id: str, result: dict) -> None:
 def due_for_evaluation(config: RunConfig, version: int) -> bool:
     """Whether snapshot `version` is one the `evaluation` trigger should score: not the run's last,
     which the pipeline's closing evaluation scores (a triggered run would score it a second time,
-    an engine's worth of work for a duplicate row)."""
+    an engine's worth of work for a duplicate row), and none of a local run: a deployment's
+    trigger on the same server would answer it, on a worker that may not reach the run's
+    directory, and with no pin keeping the version meanwhile."""
     every = config.prefect.evaluate_every
-    return every > 0 and version % every == 0 and version != config.training.steps
+    return config.prefect.mode == "deployed" and every > 0 and version % every == 0 and version != config.training.steps
 
 
 def announce_snapshot(config: RunConfig, version: int, run_url: str) -> None:

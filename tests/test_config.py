@@ -113,6 +113,7 @@ BAD_CONFIGS = [
     ("storage:\n  root: ftp://host/x\n", [], "storage.root"),
     ("model:\n  hidden_size: 100\n  num_heads: 3\n", [], "num_heads (3) must divide hidden_size"),
     ("model:\n  hidden_size: 12\n  num_heads: 4\n", [], "hidden_size / num_heads (12 / 4 = 3) must be even"),
+    ("engine:\n  request_timeout_s: 60\n", [], "engine.request_timeout_s (60) must exceed engine.weight_load_timeout_s (120)"),
     ("training: 5\n", [], "training"),
     ("lag: [1, 2]\n", [], "lag"),
     ("env:\n  entrypoint: not an import path\n", [], "env.entrypoint"),

@@ -57,8 +57,10 @@ def test_evaluation_trigger_fills_the_flow_parameters_from_the_event():
 
 
 def test_the_trigger_leaves_the_last_snapshot_to_the_pipelines_closing_evaluation():
-    config = RunConfig.model_validate({"training": {"steps": 9}, "prefect": {"evaluate_every": 3}})
+    config = RunConfig.model_validate({"training": {"steps": 9}, "prefect": {"mode": "deployed", "evaluate_every": 3}})
     assert [v for v in range(1, 10) if due_for_evaluation(config, v)] == [3, 6]
+    local = config.model_copy(update={"prefect": config.prefect.model_copy(update={"mode": "local"})})
+    assert not any(due_for_evaluation(local, v) for v in range(1, 10)), "a deployment's trigger would answer a local run"
 
 
 def test_a_version_marked_for_evaluation_is_pinned_for_its_run_until_the_pin_lapses(tmp_path):
