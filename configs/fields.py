@@ -110,6 +110,7 @@ SGLANG_FLAGS_SET_BY_TANDEM = {
     "--weight-version": "the snapshot's version", "--dtype": "the checkpoint's dtype",
     "--api-key": "engine.api_key", "--config": "engine.api_key",
     "--model": "the run's snapshot", "--tensor-parallel-size": "engine.tp_size",
+    "--nccl-port": "a free port tandem picks for each engine",
 }  # fmt: skip
 """What each `sglang.launch_server` flag the launcher passes comes from (infra/engines/sglang.py),
 with SGLang's aliases of them (--model, --tensor-parallel-size)."""

@@ -73,14 +73,14 @@ def check_flags(args: list[str]) -> list[str]:
 def test_every_launcher_flag_is_a_real_sglang_flag(with_key: bool, config_file: Path | None):
     engine = engine_config(api_key=SECRET if with_key else None)
     args = launcher.sglang_server_args(
-        engine, "/snap/v00000003", 30001, "3", 17, dtype="float32", config_file=config_file
+        engine, "/snap/v00000003", 30001, "3", 17, dtype="float32", config_file=config_file, nccl_port=24000
     )
     flags = check_flags(args)
     expected = ["--model-path", "--host", "--port", "--tp-size", "--mem-fraction-static", "--random-seed", "--base-gpu-id"]
-    assert set(expected + ["--weight-version", "--dtype"]) <= set(flags)
+    assert set(expected + ["--weight-version", "--dtype", "--nccl-port"]) <= set(flags)
     value = dict(zip(args, args[1:]))
-    assert (value["--model-path"], value["--port"], value["--tp-size"], value["--mem-fraction-static"]) == (
-        "/snap/v00000003", "30001", "2", "0.7",
+    assert (value["--model-path"], value["--port"], value["--tp-size"], value["--mem-fraction-static"], value["--nccl-port"]) == (
+        "/snap/v00000003", "30001", "2", "0.7", "24000",
     )  # fmt: skip
     assert ("--api-key" in flags) == (with_key and config_file is None)
     assert ("--config" in flags) == (with_key and config_file is not None)
@@ -95,6 +95,16 @@ def test_each_engine_of_a_fleet_gets_its_own_gpus_and_seed_and_reports_sampled_l
     values = [dict(zip(p.command, p.command[1:])) for p in processes]
     assert [(v["--base-gpu-id"], v["--random-seed"]) for v in values] == [("0", "7"), ("2", "8"), ("4", "9")]
     assert all(p.env == {"SGLANG_RETURN_ORIGINAL_LOGPROB": "0"} for p in processes), "temperature-scaled logprobs, as trained"
+
+
+def test_each_sglang_engine_of_a_fleet_gets_its_own_distributed_port_apart_from_the_http_ports(tmp_path: Path):
+    """Left to SGLang, the torch.distributed port is drawn from 22000-29999 at launch, where tandem
+    picks the HTTP ports that SGLang binds minutes later: a sibling's store could take one."""
+    from infra.engines.fleet import EngineFleet
+
+    fleet = EngineFleet(engine_config(), 3, tmp_path, 0, tmp_path / "logs")
+    nccl = [dict(zip(p.command, p.command[1:]))["--nccl-port"] for p in fleet.processes]
+    assert nccl == [str(port) for port in fleet.nccl_ports] and len(set(fleet.nccl_ports) | set(fleet.ports)) == 6
 
 
 def test_optional_flags_are_left_out_when_unset():

@@ -56,6 +56,8 @@ class EngineFleet:
         self.version = version
         self.log_dir = log_dir
         self.ports = self._ports(engine, count, first_engine)
+        self.nccl_ports = [free_port_block(count=count) + i for i in range(count)] if engine.backend == "sglang" else []
+        """Each SGLang engine's torch.distributed port, tandem's to pick (infra/engines/sglang.py)."""
         self.processes: list[EngineProcess] = [self._process(port) for port in self.ports]
         self.engine_versions = [version] * count
         """The version each engine serves: behind `version` after it failed that load."""
@@ -212,7 +214,7 @@ class EngineFleet:
 
             return sglang_engine_process(
                 self.engine, str(self.model_dir), port, log_path, weight_version=str(self.version),
-                index=self.first_engine + self.ports.index(port),
+                index=self.first_engine + self.ports.index(port), nccl_port=self.nccl_ports[self.ports.index(port)],
             )  # fmt: skip
         return cpu_engine_process(
             self.model_dir, port, log_path, host=self.engine.host, api_key=self.api_key,

@@ -45,18 +45,25 @@ SGLang falls back to where a model needs it, take float32."""
 
 def sglang_server_args(
     engine: EngineConfig, model_path: str, port: int, weight_version: str | None, seed: int,
-    *, dtype: str | None = None, config_file: Path | None = None, base_gpu_id: int = 0,
+    *, dtype: str | None = None, config_file: Path | None = None, base_gpu_id: int = 0, nccl_port: int | None = None,
 ) -> list[str]:  # fmt: skip
     """The command line of one SGLang server. With an API key, it travels in `config_file` (a
     YAML file the caller writes with `write_secret_config`), or as `--api-key` when that is None.
     `dtype` should be given: SGLang's "auto" runs float32 checkpoints in float16. The server runs
-    on GPUs base_gpu_id .. base_gpu_id + tp_size - 1: engine i of a fleet on its own ones."""
+    on GPUs base_gpu_id .. base_gpu_id + tp_size - 1: engine i of a fleet on its own ones.
+
+    `nccl_port`: the port of its torch.distributed store, bound at launch (with tp_size 1 too).
+    Left to SGLang, it is drawn from 22000-29999, where tandem picks the engines' HTTP ports,
+    which SGLang binds only once the model has loaded, minutes later: one engine's store could
+    take a sibling's HTTP port, and that engine then failed its start."""
     args = [
         sys.executable, "-m", "sglang.launch_server",
         "--model-path", str(model_path), "--host", engine.host, "--port", str(port),
         "--tp-size", str(engine.tp_size), "--mem-fraction-static", str(engine.mem_fraction_static),
         "--random-seed", str(seed), "--base-gpu-id", str(base_gpu_id),
     ]  # fmt: skip
+    if nccl_port is not None:
+        args += ["--nccl-port", str(nccl_port)]
     if weight_version is not None:
         args += ["--weight-version", weight_version]
     if dtype is not None:
@@ -99,13 +106,15 @@ def checkpoint_dtype(model_path: str | Path) -> str | None:
 
 def sglang_engine_process(
     engine: EngineConfig, model_path: str, port: int, log_path: Path,
-    weight_version: str | None = None, seed: int = 0, dtype: str | None = None, index: int = 0,
+    weight_version: str | None = None, seed: int = 0, dtype: str | None = None, index: int = 0, nccl_port: int | None = None,
 ) -> SGLangEngineProcess:  # fmt: skip
     """SGLang server `index` of a fleet for `model_path`: on its own GPUs (tp_size of them from
     index x tp_size) with its own seed, in the checkpoint's own dtype unless `dtype` is given
     (so behaviour logprobs come from the precision the trainer uses, not SGLang's float16)."""
     dtype = dtype or checkpoint_dtype(model_path)
-    return SGLangEngineProcess(engine, model_path, port, log_path, weight_version, seed + index, dtype, index * engine.tp_size)
+    return SGLangEngineProcess(
+        engine, model_path, port, log_path, weight_version, seed + index, dtype, index * engine.tp_size, nccl_port
+    )  # fmt: skip
 
 
 def require_sglang() -> None:
@@ -121,13 +130,15 @@ class SGLangEngineProcess(EngineProcess):
     def __init__(
         self, engine: EngineConfig, model_path: str, port: int, log_path: Path,
         weight_version: str | None = None, seed: int = 0, dtype: str | None = None, base_gpu_id: int = 0,
+        nccl_port: int | None = None,
     ):  # fmt: skip
         self._secret = engine.api_key.get_secret_value() if engine.api_key is not None else None
         self._engine = engine
         self.config_file = log_path.with_name(f".{log_path.stem}.secret.yaml") if self._secret else None
         command = sglang_server_args(
-            engine, model_path, port, weight_version, seed, dtype=dtype, config_file=self.config_file, base_gpu_id=base_gpu_id
-        )
+            engine, model_path, port, weight_version, seed, dtype=dtype, config_file=self.config_file, base_gpu_id=base_gpu_id,
+            nccl_port=nccl_port,
+        )  # fmt: skip
         super().__init__(command, f"http://{connect_host(engine.host)}:{port}", log_path, env=SGLANG_ENV, guard=True)
 
     start_timeout = 900.0
