@@ -698,6 +698,17 @@ def engine(model_dir: Path) -> TestClient:
         cpu.shutdown()
 
 
+def test_an_engine_whose_scheduler_stopped_is_not_healthy(model_dir: Path):
+    """SGLang's /health generates a token; the CPU engine's answered 200 on a scheduler thread
+    that had died, and every request sent there waited out its timeout."""
+    cpu = CpuEngine(model_dir, max_batch_size=4, weight_version="0")
+    with TestClient(create_app(cpu), raise_server_exceptions=False) as client:
+        assert client.get("/health").status_code == 200
+        cpu.shutdown()  # the thread ends, as one that raised would
+        answer = client.get("/health")
+        assert answer.status_code == 503 and "scheduler stopped" in answer.json()["status"]
+
+
 def call(client: TestClient, request: Request):
     kwargs = dict(request.kwargs)
     headers = dict(kwargs.pop("headers", {}))

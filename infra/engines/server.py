@@ -212,6 +212,8 @@ def create_app(engine: ScheduledEngine, api_key: str | None = None, max_body_byt
             await asyncio.sleep(0.05)
         if engine.paused:
             return JSONResponse({"status": "paused"}, status_code=503)
+        if not engine.thread.is_alive():  # as SGLang's, which generates a token: an engine that cannot is not healthy
+            return JSONResponse({"status": "the engine's scheduler stopped: see its log"}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/model_info")
