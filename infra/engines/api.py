@@ -65,7 +65,9 @@ class SamplingParams(_Request):
     n: int = Field(1, ge=1, le=256)
     """Samples of the prompt; with n > 1 the answer is a list of n results."""
     sampling_seed: int | None = Field(None, ge=-INT64, lt=INT64)
-    """Seed of a reproducible request; null samples from the engine's generator."""
+    """Seed of a reproducible request; null samples from the engine's generator. tandem's engines
+    honour it; SGLang 0.5.23 only with --enable-deterministic-inference, which tandem refuses
+    (configs/fields.py), so no training request sends one and no result relies on it there."""
 
 
 class GenerateRequest(_Request):
