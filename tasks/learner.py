@@ -137,6 +137,7 @@ class Learner:
                 f"start the run again to resume from {f'step {older}' if older is not None else 'v0'}"
             ) from err
         self.ledger = Ledger.from_json(state.extra["ledger"])
+        self.trainer.skipped_in_a_row = state.extra.get("skipped_in_a_row", 0)  # a checkpoint of an earlier release has none
         self._count_quarantined()  # moved after the checkpoint: never listed again
         # One directory below the window: the admit that would have given it its last look comes
         # after this checkpoint, and a group committed there after the dead trainer's own look
@@ -426,7 +427,8 @@ class Learner:
 
     def _checkpoint(self) -> None:
         save_checkpoint(self.store, self.version, self.trainer.model, self.trainer.optimizer,
-                        ledger=sorted(self.ledger.disposed), extra={"ledger": self.ledger.to_json()})  # fmt: skip
+                        ledger=sorted(self.ledger.disposed),
+                        extra={"ledger": self.ledger.to_json(), "skipped_in_a_row": self.trainer.skipped_in_a_row})  # fmt: skip
         apply_checkpoint_retention(self.store, self.config.storage.keep_last_checkpoints)
         for key in late_shard_keys(self.store):
             if key in self.ledger.disposed:  # recorded in the checkpoint: a resumed trainer knows its fate

@@ -362,6 +362,19 @@ def test_the_trainer_keeps_only_the_newest_checkpoints(tmp_path: Path):
         apply_checkpoint_retention(learner.store, 1)
 
 
+def test_a_resumed_trainer_goes_on_counting_the_steps_skipped_in_a_row(tmp_path: Path):
+    """Three non-finite steps in a row fail the trainer: the weights, not a batch, are the trouble.
+    A trainer resumed in such a streak started again at 0, three more steps on broken weights."""
+    learner = make_learner(tmp_path)
+    publish_snapshot(learner.store, learner.trainer.model, learner.tokenizer, 0)
+    write_group(learner, "s00000000", seq=0)
+    write_group(learner, "s00000001", seq=1)
+    learner.train_step(learner.admit_batch(poll_seconds=0.01))
+    learner.trainer.skipped_in_a_row = 2  # as two non-finite steps leave it
+    learner._checkpoint()
+    assert restart_run(tmp_path).trainer.skipped_in_a_row == 2
+
+
 def test_a_damaged_newest_checkpoint_is_set_aside_and_the_run_resumes_from_the_one_before(tmp_path: Path):
     """A checkpoint damaged after its commit (file:// writes it without fsync; a power loss) made
     every resume fail for good. The trainer now sets it aside and says so; the run, started
