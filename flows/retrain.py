@@ -23,7 +23,7 @@ from prefect import flow, tags
 from prefect.runtime import flow_run
 from pydantic import Field, ValidationError
 
-from configs import DEPLOYED_CONFIG, ConfigError, load_config
+from configs import DEPLOYED_CONFIG, load_config
 from configs.fields import MAX_SLOTS, RunId
 from configs.schema import RunConfig, StorageConfig
 from flows.pipeline import pipeline, score_snapshot
@@ -32,10 +32,14 @@ from tasks.checkpoints import latest_checkpoint_step
 from tasks.evaluation import evaluation_setup, is_score, same_setup
 from tasks.metrics import MetricsLog, read_metrics
 from tasks.promotion import Promotion, promote_if_better, read_promoted, rescore_promoted
-from tasks.rundir import CONFIG_KEY, RunConflict, check_recorded_config, load_run_config
+from tasks.rundir import CONFIG_KEY, RunConflict, RunMissing, check_recorded_config, load_run_config
 from tasks.snapshots import (
     SnapshotMissing, committed_version, latest_version, load_snapshot, pin_snapshot, snapshot_versions, unpin_snapshot,
 )  # fmt: skip
+
+
+RETRAIN_FETCH_PIN_SECONDS = 24 * 3600
+"""How long the pin of the snapshot a new run starts from holds it, if its retrain never unpins it."""
 
 
 @flow(name="retrain", log_prints=True)
@@ -109,11 +113,12 @@ def _promoted_run(promoted: Promotion, source: RunConfig, source_store, reach: l
     """The config of the run holding the snapshot PROMOTED names, if that snapshot is still
     there; None, said so, if it or its run is gone (the comparison then goes as with nothing
     promoted: its score is of weights nobody can load). A run that storage refuses to show (its
-    credentials) fails the retrain instead: taken for gone, a worse candidate could replace it."""
+    credentials), or whose config.json is damaged or no longer loads, fails the retrain instead:
+    taken for gone, a worse candidate could replace it."""
     try:
         holder = source if promoted.run_url == source_store.url else load_run_config(promoted.run_url, reach)
         present = promoted.version in snapshot_versions(open_run_store(holder.storage, holder.run_id))
-    except (ConfigError, FileNotFoundError) as err:  # its run deleted
+    except (RunMissing, FileNotFoundError) as err:  # its run deleted
         print(f"PROMOTED names v{promoted.version} of {promoted.run_url}, whose run is gone ({err}): compared as if "
               "nothing were promoted")  # fmt: skip
         return None
@@ -193,7 +198,7 @@ def _fetch_base(source_store, new_run_id: str, cache: Path) -> tuple[int, Path]:
     base = latest_version(source_store)
     if base is None:
         raise SnapshotMissing(f"run {source_store.url} has published no snapshot to start {new_run_id} from")
-    pin_snapshot(source_store, consumer, base)
+    pin_snapshot(source_store, consumer, base, lapse_seconds=RETRAIN_FETCH_PIN_SECONDS)  # a retrain killed mid-fetch leaves it
     try:
         committed_version(source_store, base)  # after the pin: retention keeps what it finds
         return base, load_snapshot(source_store, cache / "weights", base)

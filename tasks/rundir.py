@@ -50,6 +50,10 @@ class RunConflict(ValueError):
     """The run id exists with a different configuration."""
 
 
+class RunMissing(ConfigError):
+    """No run directory (no config.json) at a run's URL."""
+
+
 def config_document(config: RunConfig) -> bytes:
     """The bytes of config.json: the resolved config with secrets masked, keys sorted."""
     return json.dumps(config.model_dump(mode="json"), indent=2, sort_keys=True).encode()
@@ -108,7 +112,7 @@ def load_run_config(run_url: str, overrides: list[str] | tuple[str, ...] = ()) -
     try:
         recorded = read_recorded_config(store)
     except FileNotFoundError:
-        raise ConfigError(f"no {CONFIG_KEY} in {store.url}: not a tandem run directory") from None
+        raise RunMissing(f"no {CONFIG_KEY} in {store.url}: not a tandem run directory") from None
     for section in recorded.values():
         if isinstance(section, dict):
             for key, value in list(section.items()):

@@ -78,8 +78,9 @@ def test_a_version_marked_for_evaluation_is_pinned_for_its_run_until_the_pin_lap
     assert record["version"] == 3 and 2 * 3600 - 60 < record["lapses_at"] - time.time() <= 2 * 3600
 
 
-def test_evaluations_run_one_at_a_time_and_none_is_dropped():
-    assert DEPLOYMENTS["evaluation"]["concurrency_limit"] == {"limit": 1, "collision_strategy": "ENQUEUE"}
+def test_evaluations_and_retrains_run_one_at_a_time_and_none_is_dropped():
+    for name in ("evaluation", "retrain"):
+        assert DEPLOYMENTS[name]["concurrency_limit"] == {"limit": 1, "collision_strategy": "ENQUEUE"}, name
 
 
 def test_names_derived_from_run_ids_are_what_prefect_allows():

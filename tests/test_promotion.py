@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import pytest
+
 from configs.schema import StorageConfig
 from tasks.promotion import PROMOTED_KEY, promote_if_better, read_promoted
 from tasks.snapshots import pinned_versions
@@ -160,6 +162,22 @@ def test_a_promoted_snapshot_that_is_gone_compares_as_nothing_promoted_whatever_
     assert _promoted_run(Promotion(file_store.url, 7, 0.9, at=1.0, setup="s"), config, file_store, []) is None
     deleted_run = Promotion(file_store.url.rsplit("/", 1)[0] + "/deleted", 3, 0.9, at=1.0, setup="s")
     assert _promoted_run(deleted_run, config, file_store, []) is None
+
+
+def test_a_promoted_run_whose_config_does_not_load_fails_the_retrain_rather_than_counting_as_gone(file_store, tmp_path):
+    """Taken for gone, its score stopped being the bar, and a worse candidate could replace it."""
+    from configs import ConfigError
+    from configs.schema import RunConfig
+    from flows.retrain import _promoted_run
+    from infra.storage import open_run_store
+    from tasks.promotion import Promotion
+    from tasks.rundir import CONFIG_KEY
+
+    root = file_store.url.rsplit("/", 1)[0]
+    config = RunConfig.model_validate({"run_id": "run-test", "storage": {"root": root}})
+    open_run_store(config.storage, "damaged").write_atomic(CONFIG_KEY, b"{not json")
+    with pytest.raises(ConfigError, match="is not JSON"):
+        _promoted_run(Promotion(f"{root}/damaged", 3, 0.9, at=1.0, setup="s"), config, file_store, [])
 
 
 def test_a_snapshot_promoted_by_two_runs_keeps_a_pin_for_each_and_a_move_drops_the_old_one(file_store, tmp_path):
