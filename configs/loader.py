@@ -98,6 +98,7 @@ def _text_fields(model: type[BaseModel], prefix: tuple[str, ...] = ()) -> list[t
     for name, field in model.model_fields.items():
         union = typing.get_origin(field.annotation) in (typing.Union, types.UnionType)
         kinds = [t for t in typing.get_args(field.annotation) if t is not type(None)] if union else [field.annotation]
+        kinds = [typing.get_args(t)[0] if typing.get_origin(t) is typing.Annotated else t for t in kinds]
         if sections := [t for t in kinds if isinstance(t, type) and issubclass(t, BaseModel)]:
             paths += _text_fields(sections[0], (*prefix, name))
         elif all(t in (str, SecretStr) for t in kinds):

@@ -38,6 +38,11 @@ def free_port_block(count: int = 1, start: int = 20000, end: int = 32000) -> int
     raise RuntimeError(f"no block of {count} free ports between {start} and {end}")
 
 
+def reserve_ports(ports: list[int]) -> None:
+    """Never hand `ports` out in this process: fixed ports of servers that bind them later."""
+    _handed_out.update(ports)
+
+
 def port_is_free(port: int) -> bool:
     """Whether a server could listen on `port` of 127.0.0.1 now (one listening on any address could not)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:

@@ -122,6 +122,10 @@ class Learner:
         """Restore the newest checkpoint (weights, optimizer, RNGs, ledger); its step, or None."""
         step = latest_checkpoint_step(self.store)
         if step is None:
+            if any(json.loads(line)["event"] == "train_step" for line in self.metrics.lines):
+                # A trainer that died before its first checkpoint: its steps' weights are withdrawn
+                # (tasks/lag.py `reopen_run`), and its records with them (tasks/report.py).
+                self.metrics.log("resumed", version=0, disposed=0)
             return None
         self.trainer = Trainer(self.trainer.model, self.config.training, version=step, ref_model=self.ref_model,
                                sampling_temperature=self.config.generation.temperature)  # fmt: skip
@@ -236,11 +240,7 @@ class Learner:
             # Metrics first: a trainer resumed from this checkpoint must find every step's record
             # up to it, and metrics otherwise reach storage only every few seconds.
             self.metrics.flush()
-            saving = time.monotonic()
-            self._checkpoint()
-            seconds = time.monotonic() - saving
-            self.busy_seconds += seconds  # the trainer's time as much as its steps: not idle
-            self.metrics.log("checkpoint", version=self.version, seconds=seconds)
+            self._timed_checkpoint()
         self._unfinished = None
         return logged
 
@@ -279,7 +279,7 @@ class Learner:
         if published:
             publish_snapshot(self.store, self.trainer.model, self.tokenizer, self.version, dtype=self.publish_dtype)
             apply_retention(self.store, self.config.storage.keep_last_snapshots, self.config.storage.keep_every_snapshot)
-        self._checkpoint()
+        self._timed_checkpoint()
         self.store.write_atomic(LEDGER_KEY, json.dumps(self.ledger.to_json()).encode())
         publish_trainer_state(self.store, TrainerState(self.version, self.ledger.lost_groups, done=True))
         self.metrics.flush()
@@ -424,6 +424,15 @@ class Learner:
             publish_snapshot(self.store, self.trainer.model, self.tokenizer, self.version, dtype=self.publish_dtype)
             apply_retention(self.store, self.config.storage.keep_last_snapshots, self.config.storage.keep_every_snapshot)
         publish_trainer_state(self.store, TrainerState(self.version, self.ledger.lost_groups))
+
+    def _timed_checkpoint(self) -> None:
+        """`_checkpoint`, its seconds recorded ("checkpoint") and counted busy: a save (model and
+        optimizer, minutes for a large model) is the trainer's time as much as its steps."""
+        saving = time.monotonic()
+        self._checkpoint()
+        seconds = time.monotonic() - saving
+        self.busy_seconds += seconds
+        self.metrics.log("checkpoint", version=self.version, seconds=seconds)
 
     def _checkpoint(self) -> None:
         save_checkpoint(self.store, self.version, self.trainer.model, self.trainer.optimizer,

@@ -165,11 +165,13 @@ async def _play(
         meta = result["meta_info"]
         version = min(version, _version_number(oldest_weight_version(meta), version))
         tokens = result["output_ids"]
+        finish = meta["finish_reason"]["type"]
         completion += tokens
         mask += [1] * len(tokens)
-        logprobs += behaviour_logprobs(meta, tokens)
+        # An aborted answer (SGLang's carries fewer fields) ends an episode whose group is not
+        # committed but generated again (tasks/worker.py): its logprobs are never trained on.
+        logprobs += [0.0] * len(tokens) if finish == "abort" else behaviour_logprobs(meta, tokens)
         turns += 1
-        finish = meta["finish_reason"]["type"]
         if finish == "abort":
             break
         if finish == "length" and len(tokens) >= room:  # the context filled up mid-turn: an unfinished

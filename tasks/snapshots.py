@@ -293,8 +293,9 @@ def apply_retention(
         log.warning("snapshot retention skipped, every snapshot kept until the pin is fixed or removed: %s", err)
         return []
     for key in lapsed:
-        log.warning("pin %s lapsed before its consumer unpinned it: its version is no longer kept for it", store.url_of(key))
-        store.delete(key)
+        if _still_lapsed(store, key):  # not pinned afresh since it was read (an evaluation starting)
+            log.warning("pin %s lapsed before its consumer unpinned it: its version is no longer kept for it", store.url_of(key))
+            store.delete(key)
     committed, uncommitted = _version_dirs(store)
     latest = latest_version(store)
     keep = set(committed[-keep_last:]) | set(pinned) | set(pins.values())
@@ -385,6 +386,14 @@ def _delete_snapshot(store: RunStore, version: int) -> None:
     prefix = snapshot_prefix(version)
     store.delete(f"{prefix}/{MANIFEST_NAME}")  # first: readers stop seeing it
     store.delete_prefix(prefix)
+
+
+def _still_lapsed(store: RunStore, key: str) -> bool:
+    try:
+        lapses_at = _read_pointer(store, key).get("lapses_at")
+    except (FileNotFoundError, ValueError):
+        return False
+    return type(lapses_at) in (int, float) and lapses_at <= time.time()
 
 
 def _read_version(store: RunStore, key: str) -> int:

@@ -362,6 +362,26 @@ def test_the_trainer_keeps_only_the_newest_checkpoints(tmp_path: Path):
         apply_checkpoint_retention(learner.store, 1)
 
 
+def test_a_trainer_restarted_before_any_checkpoint_marks_its_predecessors_steps_withdrawn(tmp_path: Path):
+    """Killed at v1 before its first checkpoint: the restarted run withdraws v1, and the summary and
+    progress bars must not show its step (tasks/report.py `kept_train_steps`)."""
+    from tasks.report import train_steps
+
+    learner = make_learner(tmp_path)
+    publish_snapshot(learner.store, learner.trainer.model, learner.tokenizer, 0)
+    write_group(learner, "s00000000", seq=0)
+    write_group(learner, "s00000001", seq=1)
+    learner.train_step(learner.admit_batch(poll_seconds=0.01))
+    learner.metrics.flush()
+    assert [s["version"] for s in train_steps(learner.store)] == [1]
+    resumed = restart_run(tmp_path)
+    resumed.metrics.flush()
+    assert resumed.version == 0 and train_steps(resumed.store) == []
+    fresh = make_learner(tmp_path / "fresh")
+    fresh.resume()
+    assert [r["event"] for r in read_metrics(fresh.store, "trainer")] == [], "a new run's trainer marks nothing"
+
+
 def test_a_resumed_trainer_goes_on_counting_the_steps_skipped_in_a_row(tmp_path: Path):
     """Three non-finite steps in a row fail the trainer: the weights, not a batch, are the trouble.
     A trainer resumed in such a streak started again at 0, three more steps on broken weights."""

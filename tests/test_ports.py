@@ -3,7 +3,7 @@ not overlap, though none of them is bound yet when it asks for the next."""
 
 from __future__ import annotations
 
-from infra.ports import free_port_block
+from infra.ports import free_port_block, reserve_ports
 
 
 def test_blocks_asked_in_turn_do_not_overlap_before_their_servers_bind():
@@ -29,3 +29,12 @@ def test_a_search_that_reaches_the_end_goes_round_without_giving_a_block_twice()
     ports = [port for base in blocks for port in range(base, base + 9)]
     assert len(blocks) >= 2 and len(ports) == len(set(ports))
     assert all(start <= port < end for port in ports)
+
+
+def test_ports_reserved_for_a_server_that_binds_later_are_never_handed_out():
+    """A fixed engine.base_port range is bound by SGLang only once its model has loaded: the
+    torch.distributed ports drawn for the fleet must not land there meanwhile."""
+    start, end = 30500, 30520
+    reserve_ports(list(range(start, start + 10)))
+    first = free_port_block(5, start=start, end=end)
+    assert first >= start + 10, "a reserved port was handed out"

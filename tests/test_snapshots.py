@@ -340,6 +340,26 @@ def test_a_lapsed_pin_keeps_its_version_no_longer_and_is_removed(store, tmp_path
     assert f"{PINS}/eval-v3.json" in caplog.text
 
 
+def test_a_lapsed_pin_written_afresh_before_retention_deletes_it_is_kept(store, tmp_path, monkeypatch) -> None:
+    """An evaluation starting pins its version again under the same name: retention, which read
+    the old pin as lapsed a moment before, must not delete the new one."""
+    import tasks.snapshots as snapshots
+
+    for version in range(3):
+        publish_snapshot_dir(store, fake_snapshot(tmp_path, version), version)
+    pin_snapshot(store, "eval-v1", 1, lapse_seconds=-1)
+    read_pins = snapshots._read_pins
+
+    def read_then_repinned(store):
+        found = read_pins(store)
+        pin_snapshot(store, "eval-v1", 1, lapse_seconds=3600)  # the evaluation's own pin, just after the read
+        return found
+
+    monkeypatch.setattr(snapshots, "_read_pins", read_then_repinned)
+    apply_retention(store, keep_last=1, keep_every=100)
+    assert store.list(PINS) == [f"{PINS}/eval-v1.json"]
+
+
 @pytest.mark.parametrize("pin", [b"{not json", b'{"version": 1, "lapses_at": "tomorrow"}'], ids=["json", "lapses_at"])
 def test_a_pin_file_that_does_not_parse_keeps_every_snapshot_and_is_named(store, tmp_path, caplog, pin) -> None:
     """Retention runs inside the trainer's step: a damaged pin must not fail it, nor let it delete

@@ -34,7 +34,7 @@ from anyio.from_thread import BlockingPortal, start_blocking_portal
 from configs.schema import EngineConfig
 from infra.engines.control import EngineControl, WeightSyncResult
 from infra.engines.process import EngineProcess, EngineStartError, cpu_engine_process
-from infra.ports import free_port_block, port_is_free
+from infra.ports import free_port_block, port_is_free, reserve_ports
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -74,7 +74,9 @@ class EngineFleet:
         """The fleet's ports: free ones, or with engine.base_port, engine i of the machine's on
         base_port + i. Those must be free: an engine's start is judged by /health answering on
         its port, which another fleet's engine there (a second generator's, before they were
-        numbered apart) answered for it, and the fleet then served other weights unknowingly."""
+        numbered apart) answered for it, and the fleet then served other weights unknowingly.
+        (A deployed generation run has its machine to itself, its GPUs and these ports alike:
+        tasks/placement.py `first_engine_of`.)"""
         if not engine.base_port:
             return [free_port_block(count=count) + i for i in range(count)]
         ports = [engine.base_port + first_engine + i for i in range(count)]
@@ -84,6 +86,7 @@ class EngineFleet:
                 f"{first_engine}-{first_engine + count - 1} (base_port + i) is in use, by another run's engines or another "
                 "server: give engine.base_port a free range, or 0 to pick free ports"
             )  # fmt: skip
+        reserve_ports(ports)  # an SGLang engine binds its port after loading: no other port of ours may be drawn there
         return ports
 
     @property
