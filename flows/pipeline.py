@@ -49,7 +49,7 @@ from flows.ui import publish_summary
 from infra.prefect_server import stop_temporary_server
 from infra.storage import RunStore, open_run_store
 from tasks.checkpoints import latest_checkpoint_step
-from tasks.evaluation import is_score, same_setup
+from tasks.evaluation import evaluation_setup, is_score, same_setup
 from tasks.lag import adopt_orphaned_claims, reopen_run, request_stop
 from tasks.lease import hold_run
 from tasks.metrics import MetricsLog, read_metrics
@@ -212,9 +212,9 @@ def score_snapshot(config: RunConfig, store: RunStore, version: int | None = Non
 def recorded_score(config: RunConfig, store: RunStore, version: int) -> dict | None:
     """The newest evaluation of snapshot `version` under the config's evaluation setup
     (tasks/evaluation.py `evaluation_setup`) since its commit, if one is recorded."""
-    since = committed_at(store, version)
+    since, setup = committed_at(store, version), evaluation_setup(config)
     for record in reversed(read_metrics(store, "evaluation")):
-        if record.get("event") == "evaluation" and record.get("version") == version and same_setup(record, config) \
+        if record.get("event") == "evaluation" and record.get("version") == version and same_setup(record, setup) \
                 and is_score(record.get("score")) and record["time"] >= since:  # fmt: skip
             return record
     return None

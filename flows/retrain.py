@@ -153,11 +153,12 @@ def _bar(config: RunConfig, store, source_store, version: int, summary: dict) ->
     Not merely where this retrain started (its opening score): a retrain that made the policy
     worse would lower the bar for the next, which could then promote a model worse than one the
     run had. For a successor the records include its v0's score, the source's snapshot."""
+    setup = evaluation_setup(config)
     scores = [
         record["score"]
         for records_of in {store.url: store, source_store.url: source_store}.values()
         for record in read_metrics(records_of, "evaluation")
-        if record.get("event") == "evaluation" and same_setup(record, config) and is_score(record.get("score"))
+        if record.get("event") == "evaluation" and same_setup(record, setup) and is_score(record.get("score"))
         and not (records_of.url == store.url and record.get("version") == version)
     ]  # fmt: skip
     return max(scores, default=summary["eval_before"] if summary["eval_before"] is not None else -float("inf"))

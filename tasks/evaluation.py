@@ -17,7 +17,7 @@ from configs.schema import RunConfig
 from infra.engines.api import SamplingParams
 from infra.engines.client import EngineClient
 from infra.modelfactory import load_tokenizer
-from tasks.envs import load_environment
+from tasks.envs import Prompt, load_environment
 from tasks.rollout import model_eos_ids, run_episode
 
 
@@ -27,20 +27,32 @@ its operands-swapped twin is too (tasks/envs/base.py `sample_prompts`); scores r
 another are not this one's."""
 
 
-def evaluation_setup(config: RunConfig) -> str:
-    """A digest of what a score depends on besides the weights: the held-out prompts (seed, how
-    many), the environment and how long its episodes may run. Each evaluation record carries it,
-    and a recorded score is reused, or compared with another, only under the same setup: a
-    `tandem eval --set env.kwargs...` of a run otherwise left a score that the run's next start
-    took for its own, and that retraining compared against."""
+def evaluation_setup(config: RunConfig, prompts: list[Prompt] | None = None) -> str:
+    """A digest of what a score depends on besides the weights: the held-out prompts themselves
+    (`prompts`, default: `held_out_prompts`), the environment and how long its episodes may run.
+    Each evaluation record carries it, and a recorded score is reused, or compared with another,
+    only under the same setup: a `tandem eval --set env.kwargs...` of a run otherwise left a
+    score that the run's next start took for its own, and that retraining compared against.
+
+    The prompts, not only the seed and count that draw them: an environment over a data file
+    that is refreshed between nights draws other held-out prompts from the same settings, and
+    PROMOTED's score on the old ones was compared with a candidate's on the new."""
     env, generation = config.env, config.generation
+    prompts = held_out_prompts(config) if prompts is None else prompts
+    drawn = json.dumps([[p.prompt_id, p.text, p.answer] for p in prompts], default=str).encode()
     fields = {
         "seed": config.seed, "eval_prompts": env.eval_prompts, "entrypoint": env.entrypoint, "kwargs": env.kwargs,
         "max_turns": env.max_turns, "max_new_tokens": generation.max_new_tokens,
         "context_length": config.model.max_position_embeddings,
-        "held_out": HELD_OUT_SPLIT,
+        "held_out": HELD_OUT_SPLIT, "prompts": hashlib.sha256(drawn).hexdigest(),
     }  # fmt: skip
     return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def held_out_prompts(config: RunConfig) -> list[Prompt]:
+    """The prompts an evaluation of `config`'s run scores, as its environment draws them now."""
+    env_cls = load_environment(config.env.entrypoint)
+    return env_cls(max_turns=config.env.max_turns, **config.env.kwargs).prompts("eval", config.env.eval_prompts, config.seed)
 
 
 def is_score(value: object) -> bool:
@@ -49,10 +61,10 @@ def is_score(value: object) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value)
 
 
-def same_setup(record: dict, config: RunConfig) -> bool:
-    """Whether an evaluation record was made under `config`'s setup. A record from before setups
-    were recorded never is: the held-out prompts have changed since (HELD_OUT_SPLIT)."""
-    return record.get("setup") == evaluation_setup(config)
+def same_setup(record: dict, setup: str) -> bool:
+    """Whether an evaluation record was made under `setup` (`evaluation_setup`). A record from
+    before setups were recorded never is: the held-out prompts have changed since (HELD_OUT_SPLIT)."""
+    return record.get("setup") == setup
 
 
 async def evaluate(client: EngineClient, model_dir: Path, config: RunConfig, version: int, concurrency: int = 64) -> dict:
@@ -62,7 +74,7 @@ async def evaluate(client: EngineClient, model_dir: Path, config: RunConfig, ver
     tokenizer = load_tokenizer(model_dir)
     env_cls = load_environment(config.env.entrypoint)
     make_env = lambda: env_cls(max_turns=config.env.max_turns, **config.env.kwargs)  # noqa: E731
-    prompts = make_env().prompts("eval", config.env.eval_prompts, config.seed)
+    prompts = held_out_prompts(config)
     greedy = SamplingParams(
         temperature=0.0, max_new_tokens=config.generation.max_new_tokens, stop_token_ids=model_eos_ids(model_dir)
     )
@@ -83,5 +95,5 @@ async def evaluate(client: EngineClient, model_dir: Path, config: RunConfig, ver
         "score": sum(rewards) / len(rewards),
         "solved": sum(r >= 1.0 for r in rewards) / len(rewards),
         "prompts": len(rewards),
-        "setup": evaluation_setup(config),
+        "setup": evaluation_setup(config, prompts),
     }

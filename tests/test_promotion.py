@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 
 from configs.schema import StorageConfig
+from tasks.envs import Environment, Prompt, StepResult
 from tasks.promotion import PROMOTED_KEY, promote_if_better, read_promoted
 from tasks.snapshots import pinned_versions
 
@@ -76,6 +78,42 @@ def test_with_nothing_promoted_a_retrain_must_beat_the_best_score_the_run_record
     assert _bar(config, successor, file_store, 3, summary) == 0.85, "the successor's v0 and the source's records both count"
     fresh = open_run_store(StorageConfig(root=f"file://{tmp_path}/runs"), "fresh")
     assert _bar(config, fresh, fresh, 3, summary) == 0.70, "nothing recorded: where the retrain started"
+
+
+class FileQAEnv(Environment):
+    """Questions from a JSON file named by its `path` kwarg: a data set refreshed between nights."""
+
+    def __init__(self, max_turns: int, path: str) -> None:
+        super().__init__(max_turns)
+        self.path = path
+
+    def prompts(self, split, count, seed):
+        rows = json.loads(Path(self.path).read_text())
+        return [Prompt(f"q{i}", question, answer) for i, (question, answer) in enumerate(rows)][:count]
+
+    def reset(self, prompt):
+        return prompt.text
+
+    def step(self, action):
+        return StepResult("", 0.0, True, {})
+
+    def demonstration(self, prompt):
+        return []
+
+
+def test_the_evaluation_setup_changes_with_the_held_out_prompts_a_data_refresh_brings(tmp_path):
+    """Same seed, count and environment settings, other questions in the file: PROMOTED's score
+    on yesterday's held-out prompts was compared with a candidate's on today's."""
+    from configs.schema import RunConfig
+    from tasks.evaluation import evaluation_setup
+
+    data = tmp_path / "qa.json"
+    data.write_text(json.dumps([["1 + 1", "2"], ["2 + 2", "4"]]))
+    config = RunConfig.model_validate({"env": {"entrypoint": f"{__name__}:FileQAEnv", "kwargs": {"path": str(data)}, "eval_prompts": 2}})
+    before = evaluation_setup(config)
+    assert evaluation_setup(config) == before, "the same prompts, the same setup"
+    data.write_text(json.dumps([["1 + 1", "2"], ["3 + 3", "6"]]))
+    assert evaluation_setup(config) != before
 
 
 def test_a_recorded_score_is_reused_only_under_the_same_evaluation_setup(file_store, tmp_path):
