@@ -57,8 +57,10 @@ def retrain(
     root, reach = run_location(storage_root, load_config(DEPLOYED_CONFIG).storage)
     source = load_run_config(f"{root}/{run_id}", reach)
     if not source.env.eval_prompts:
-        raise ValueError(f"run {run_id} has env.eval_prompts 0: retraining promotes by the held-out score, "
-                         "so the run needs held-out prompts")  # fmt: skip
+        raise ValueError(f"run {run_id} was started with env.eval_prompts 0: retraining promotes by the held-out score, "
+                         "and reads the run's recorded config, whose held-out prompts a later start cannot add. "
+                         "Train a run started with held-out prompts (tandem run ... --set env.eval_prompts=200) "
+                         "and retrain that one")  # fmt: skip
     source_store = open_run_store(source.storage, source.run_id)
     with tags(*flow_run.tags):  # the pipeline runs in this process: without them it would lack RUN_TAG, which `tandem scale` looks for
         if new_run_id is None:

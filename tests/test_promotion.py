@@ -287,3 +287,15 @@ def test_a_successor_starts_from_the_sources_newest_snapshot_pinned_while_it_is_
     base, model_dir = flows.retrain._fetch_base(file_store, "next", tmp_path / "cache")
     assert base == 1 and json.loads((model_dir / "config.json").read_text()) == {"version": 1}
     assert pinned_during_fetch == [1] and pinned_versions(file_store) == set(), "pinned while fetched, then let go"
+
+
+def test_retraining_a_run_started_without_held_out_prompts_says_what_to_do_instead(tmp_path):
+    from configs.schema import RunConfig
+    from flows.retrain import retrain
+    from infra.storage import open_run_store
+    from tasks.rundir import write_run_config
+
+    config = RunConfig.model_validate({"run_id": "r0", "storage": {"root": f"file://{tmp_path}"}, "env": {"eval_prompts": 0}})
+    write_run_config(open_run_store(config.storage, "r0"), config)
+    with pytest.raises(ValueError, match=r"started with env.eval_prompts 0.*--set env.eval_prompts=200\) and retrain that one"):
+        retrain.fn(run_id="r0", steps=1, storage_root=f"file://{tmp_path}")
