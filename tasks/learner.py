@@ -279,7 +279,8 @@ class Learner:
         if published:
             publish_snapshot(self.store, self.trainer.model, self.tokenizer, self.version, dtype=self.publish_dtype)
             apply_retention(self.store, self.config.storage.keep_last_snapshots, self.config.storage.keep_every_snapshot)
-        self._timed_checkpoint()
+        if latest_checkpoint_step(self.store) != self.version:  # saved by the last step: a large model's
+            self._timed_checkpoint()                             # state was written to disk a second time
         self.store.write_atomic(LEDGER_KEY, json.dumps(self.ledger.to_json()).encode())
         publish_trainer_state(self.store, TrainerState(self.version, self.ledger.lost_groups, done=True))
         self.metrics.flush()

@@ -15,8 +15,9 @@ the trainer would break the equality, which is why it is checked rather than der
 A shard that no generator recorded is foreign: a copy of a shard under a second key, or a shard
 of a generator killed before it flushed its records, which no restart under its name recovered
 (the summary table shows the count and says so). It is counted apart (`foreign_shards`) and its
-rows are taken out of the ledger's counts, so that the identity compares like with like. The learner trains a group once whichever copy it reads first, and
-disposes of the other as a duplicate. A group its environment failed (tasks/failed_groups.py)
+rows are taken out of the ledger's counts, so that the identity compares like with like. The
+learner trains a group once whichever copy it reads first, and disposes of the other as a
+duplicate. A group its environment failed (tasks/failed_groups.py)
 holds no sample: it is counted apart (`groups_failed`).
 """
 

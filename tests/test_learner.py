@@ -339,6 +339,9 @@ def test_a_checkpoint_save_is_recorded_with_its_seconds_and_counted_busy(tmp_pat
     (save,) = [r for r in read_metrics(learner.store, "trainer") if r["event"] == "checkpoint"]
     assert save["version"] == 2 and save["seconds"] > 0
     assert learner.busy_seconds == pytest.approx(record["busy_seconds"] + save["seconds"])
+    learner.finish()
+    saves = [r["version"] for r in read_metrics(learner.store, "trainer") if r["event"] == "checkpoint"]
+    assert saves == [2], "the last step's checkpoint is the final one: a large model's state was written twice"
 
 
 def test_the_trainer_keeps_only_the_newest_checkpoints(tmp_path: Path):
