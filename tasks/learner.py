@@ -143,6 +143,10 @@ class Learner:
         self.ledger = Ledger.from_json(state.extra["ledger"])
         self.trainer.skipped_in_a_row = state.extra.get("skipped_in_a_row", 0)  # a checkpoint of an earlier release has none
         self._count_quarantined()  # moved after the checkpoint: never listed again
+        # Shared at once: an admission shares only the losses it counts itself, and these (a group
+        # set aside while the dead trainer no longer looked) held capacity the batch needs, for good
+        # at max_lag 0.
+        publish_trainer_state(self.store, TrainerState(step, self.ledger.lost_groups))
         # One directory below the window: the admit that would have given it its last look comes
         # after this checkpoint, and a group committed there after the dead trainer's own look
         # was checked by its generator against a state before this step.

@@ -156,6 +156,23 @@ def test_a_resumed_trainer_counts_the_shards_quarantined_after_its_checkpoint(tm
     assert resumed.ledger.disposed.get(bad) == "quarantined" and resumed.ledger.lost_groups == 1
 
 
+def test_a_group_set_aside_while_no_trainer_looked_is_shared_as_lost_when_one_resumes(tmp_path: Path):
+    """Set aside after the dead trainer's last look: the resumed trainer counted it lost but, its
+    admissions sharing only the losses they count, never told the generators, whose capacity then
+    lacked its replacement: at max_lag 0 the batch never filled."""
+    from tasks.failed_groups import set_aside_group
+
+    learner = make_learner(tmp_path, "lag.max_lag=0")
+    publish_snapshot(learner.store, learner.trainer.model, learner.tokenizer, 0)
+    for slot in range(2):
+        write_group(learner, f"s{slot:08d}", seq=slot)
+    learner.train_step(learner.admit_batch(poll_seconds=0.01))
+    learner._checkpoint()  # the checkpoint at v1, then the trainer stops looking
+    set_aside_group(learner.store, 2, {"error": "the tool is down"})
+    resumed = restart_run(tmp_path)
+    assert resumed.ledger.lost_groups == 1 and read_trainer_state(resumed.store).lost_groups == 1
+
+
 
 def test_a_group_a_generator_set_aside_is_counted_lost_while_the_trainer_waits(tmp_path: Path):
     """A generator sets aside a group its environment failed; unless the waiting trainer counts
