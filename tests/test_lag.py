@@ -283,18 +283,19 @@ def test_claims_of_producers_that_do_not_start_again_go_to_those_that_do(tmp_pat
         adopt_orphaned_claims(store2, [], 4)
 
 
-def test_a_claim_that_does_not_parse_is_handed_over_and_a_live_generators_claims_are_not(tmp_path):
+def test_a_claim_that_does_not_parse_and_a_superseded_generators_claims_are_handed_over(tmp_path):
     """A claim left empty by a power loss (put_if_absent does not fsync) stopped every generator's
-    start; it is now nobody's, and handed over. A generator of an earlier pipeline still at work
-    (its in-flight record is fresh) keeps its claims: handed over, they would be played twice."""
+    start; it is now nobody's, and handed over. So are the claims of a generator of an earlier
+    pipeline still at work (its in-flight record fresh): it aborts its groups once it sees the
+    lease change hands, and its claims, kept for it, held capacity nobody generated for good."""
     store = open_run_store(StorageConfig(root=f"file://{tmp_path}"), "run")
     for name in ("gen1", "gen2"):
         SlotClaims(store, name, 4).claim(capacity=100)
     store.write_atomic(slot_key(2, 4), b"")
     publish_in_flight(store, "gen2", {0: 1})
     assert SlotClaims(store, "gen0", 4).claimed_by_me() == []
-    assert adopt_orphaned_claims(store, ["gen0"], 4) == {"gen0": [0, 2]}
-    assert SlotClaims(store, "gen2", 4).claimed_by_me() == [1]
+    assert adopt_orphaned_claims(store, ["gen0"], 4) == {"gen0": [0, 1, 2]}
+    assert SlotClaims(store, "gen0", 4).claimed_by_me() == [0, 1, 2]
 
 
 def test_retire_request_is_per_producer_and_can_be_withdrawn(file_store):
