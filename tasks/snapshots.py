@@ -248,12 +248,12 @@ def unpin_snapshot(store: RunStore, consumer: str) -> None:
 
 def pinned_versions(store: RunStore) -> set[int]:
     """Versions named by any pin file that has not lapsed."""
-    return set(_read_pins(store)[0].values())
+    return _read_pins(store)[0]
 
 
-def _read_pins(store: RunStore) -> tuple[dict[str, int], list[str]]:
-    """The pin files in force ({key: version}) and those that have lapsed (their keys)."""
-    pins, lapsed, now = {}, [], time.time()
+def _read_pins(store: RunStore) -> tuple[set[int], list[str]]:
+    """The versions the pins in force name, and the keys of the pins that have lapsed."""
+    pins, lapsed = set(), []
     for key in store.list(PINS):
         if not key.endswith(".json"):
             continue
@@ -261,14 +261,20 @@ def _read_pins(store: RunStore) -> tuple[dict[str, int], list[str]]:
             record = _read_pointer(store, key)
         except FileNotFoundError:  # unpinned since the listing
             continue
-        lapses_at = record.get("lapses_at")
-        if lapses_at is not None and type(lapses_at) not in (int, float):
-            raise ValueError(f"{store.url_of(key)}: lapses_at is not a time: {lapses_at!r}")
-        if lapses_at is not None and lapses_at <= now:
+        if _has_lapsed(store, key, record):
             lapsed.append(key)
         else:
-            pins[key] = record["version"]
+            pins.add(record["version"])
     return pins, lapsed
+
+
+def _has_lapsed(store: RunStore, key: str, pin: dict) -> bool:
+    """Whether pin record `pin` (of file `key`) has a "lapses_at" that has passed; ValueError
+    naming the file if that is not a time."""
+    lapses_at = pin.get("lapses_at")
+    if lapses_at is not None and type(lapses_at) not in (int, float):
+        raise ValueError(f"{store.url_of(key)}: lapses_at is not a time: {lapses_at!r}")
+    return lapses_at is not None and lapses_at <= time.time()
 
 
 def apply_retention(
@@ -298,7 +304,7 @@ def apply_retention(
             store.delete(key)
     committed, uncommitted = _version_dirs(store)
     latest = latest_version(store)
-    keep = set(committed[-keep_last:]) | set(pinned) | set(pins.values())
+    keep = set(committed[-keep_last:]) | set(pinned) | pins
     keep |= {v for v in committed if v % keep_every == 0}
     if latest is not None:
         keep.add(latest)
@@ -390,10 +396,9 @@ def _delete_snapshot(store: RunStore, version: int) -> None:
 
 def _still_lapsed(store: RunStore, key: str) -> bool:
     try:
-        lapses_at = _read_pointer(store, key).get("lapses_at")
+        return _has_lapsed(store, key, _read_pointer(store, key))
     except (FileNotFoundError, ValueError):
         return False
-    return type(lapses_at) in (int, float) and lapses_at <= time.time()
 
 
 def _read_version(store: RunStore, key: str) -> int:
