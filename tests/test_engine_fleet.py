@@ -94,6 +94,13 @@ def test_the_sync_after_one_that_timed_out_on_a_slow_engine_moves_and_continues_
         assert engine_state(fleet.urls[0]) == ("2", False)
 
 
+def wait_for_late_load(fleet: EngineFleet) -> None:
+    """Until the fleet's one engine, whose v1 load outlasted its sync, serves v1 (at most 30 s)."""
+    deadline = time.monotonic() + 30
+    while engine_state(fleet.urls[0]) != ("1", False) and time.monotonic() < deadline:
+        time.sleep(0.2)
+
+
 def test_a_load_that_outlasted_its_sync_is_not_loaded_again_once_the_engine_serves_it(tmp_path: Path):
     """The engine goes on loading after the sync gave up on it, and ends serving the version:
     reloaded, it was paused for a whole load each retry and timed out again, for good."""
@@ -101,9 +108,7 @@ def test_a_load_that_outlasted_its_sync_is_not_loaded_again_once_the_engine_serv
     slow = EngineConfig(backend="sim", sim=SimLatencyConfig(load_s_per_gb=1500), weight_load_timeout_s=1.0)
     with EngineFleet(slow, 1, models[0], 0, tmp_path / "logs") as fleet:
         assert [r.ok for r in fleet.update_weights(models[1], 1)] == [False]
-        deadline = time.monotonic() + 30
-        while engine_state(fleet.urls[0]) != ("1", False) and time.monotonic() < deadline:
-            time.sleep(0.2)
+        wait_for_late_load(fleet)
         assert engine_state(fleet.urls[0]) == ("1", False), "the load finished in the engine"
         results = fleet.reload_behind()  # loading again would take its 3 s against the 1 s timeout, and fail
         assert [(r.ok, r.weight_version) for r in results] == [(True, "1")] and fleet.engine_versions == [1]
@@ -117,9 +122,7 @@ def test_an_engine_found_serving_the_version_already_is_continued_after_a_pre_pa
     slow = EngineConfig(backend="sim", sim=SimLatencyConfig(load_s_per_gb=1500), weight_load_timeout_s=1.0)
     with EngineFleet(slow, 1, models[0], 0, tmp_path / "logs") as fleet:
         assert [r.ok for r in fleet.update_weights(models[1], 1)] == [False]
-        deadline = time.monotonic() + 30
-        while engine_state(fleet.urls[0]) != ("1", False) and time.monotonic() < deadline:
-            time.sleep(0.2)
+        wait_for_late_load(fleet)
         assert fleet.pause() is True and engine_state(fleet.urls[0]) == ("1", True)
         results = fleet.update_weights(models[1], 1)
         assert [(r.ok, r.message) for r in results] == [(True, "serving it already: an earlier load finished late")]
