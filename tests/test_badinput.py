@@ -700,13 +700,17 @@ def engine(model_dir: Path) -> TestClient:
 
 def test_an_engine_whose_scheduler_stopped_is_not_healthy(model_dir: Path):
     """SGLang's /health generates a token; the CPU engine's answered 200 on a scheduler thread
-    that had died, and every request sent there waited out its timeout."""
+    that had died, and every request sent there waited out its timeout. Now such a request fails
+at once."""
     cpu = CpuEngine(model_dir, max_batch_size=4, weight_version="0")
     with TestClient(create_app(cpu), raise_server_exceptions=False) as client:
         assert client.get("/health").status_code == 200
         cpu.shutdown()  # the thread ends, as one that raised would
         answer = client.get("/health")
         assert answer.status_code == 503 and "scheduler stopped" in answer.json()["status"]
+        body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}}
+        answer = client.post("/generate", json=body)  # failed at once, not left queued
+        assert answer.status_code == 500 and "EngineStopped" in answer.text
 
 
 def call(client: TestClient, request: Request):

@@ -14,7 +14,7 @@ import pytest
 
 from configs.schema import SimLatencyConfig
 from infra.engines.api import SamplingParams
-from infra.engines.scheduler import GenerationJob
+from infra.engines.scheduler import EngineStopped, GenerationJob
 from infra.engines.sim import SimEngine
 from tests.conftest import committed_model_dir
 
@@ -126,3 +126,46 @@ def test_a_simulated_engine_imports_no_torch(model_dirs):
     done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["True", "True", "False"]
+
+
+def test_a_stopped_engine_fails_its_work_at_once(model_dirs):
+    """Requests running or queued when the scheduler stops, and any sent after, fail with
+    EngineStopped instead of waiting out their caller's timeout; so do commands (an abort)."""
+    engine = SimEngine(model_dirs[0], SimLatencyConfig(decode_base_s=0.01, decode_s_per_seq=0.0), max_batch_size=1)
+    running, queued = (GenerationJob(rid=r, input_ids=[1, 20], params=SamplingParams(max_new_tokens=10_000, ignore_eos=True)) for r in "ab")
+    engine.submit(running)
+    engine.submit(queued)
+    time.sleep(0.2)
+    engine.shutdown()
+    late = GenerationJob(rid="c", input_ids=[1, 20], params=SamplingParams(max_new_tokens=2))
+    engine.submit(late)
+    for job in (running, queued, late):
+        with pytest.raises(EngineStopped):
+            job.future.result(timeout=5)
+    with pytest.raises(EngineStopped):
+        engine.abort(abort_all=True)
+
+
+class FailingSimEngine(SimEngine):
+    """A scheduler whose bookkeeping between steps raises once `broken` is set."""
+
+    broken = False
+
+    def _collect_work(self) -> bool:
+        if self.broken:
+            raise RuntimeError("bookkeeping failed")
+        return super()._collect_work()
+
+
+def test_a_scheduler_that_fails_outside_a_step_fails_its_work(model_dirs):
+    engine = FailingSimEngine(model_dirs[0], SimLatencyConfig(decode_base_s=0.01, decode_s_per_seq=0.0))
+    try:
+        job = GenerationJob(rid="a", input_ids=[1, 20], params=SamplingParams(max_new_tokens=10_000, ignore_eos=True))
+        engine.submit(job)
+        time.sleep(0.1)
+        engine.broken = True
+        with pytest.raises(EngineStopped):
+            job.future.result(timeout=5)
+        assert not engine.thread.is_alive()
+    finally:
+        engine.shutdown()

@@ -165,10 +165,10 @@ class EngineClient:
 
     @property
     def http(self) -> aiohttp.ClientSession:
-        """The client's connection pool, made on first use inside the running event loop. None
-        after `close`: a request still in flight then failed on the closed pool, counted its engine
-        unhealthy, and opened a pool and a probe that nothing closed again, polling the run's
-        stopped engines for as long as the Dask worker lived."""
+        """The client's connection pool, made on first use inside the running event loop. After
+        `close` it raises `EngineClientClosed` rather than opening a new pool: a request still in
+        flight would otherwise count its engine unhealthy and open a pool and a probe that nothing
+        closed again, polling the run's stopped engines for as long as the Dask worker lived."""
         if self._closed:
             raise EngineClientClosed("the engine client is closed")
         if self._session is None or self._session.closed:

@@ -10,6 +10,10 @@ A subclass supplies the steps: `_collect_work` (take submitted jobs in; is there
 step?), `_step` (one batched step), `_fail_running` (end every running request with an error
 after a step raised), `_retract` (a pause in mode retract: running sequences back to the queue),
 plus `abort`, `update_weights` and `stats`.
+
+When the thread stops (a shutdown, or an error outside a step), every request and command it
+would have served fails with `EngineStopped` at once, and so does any sent afterwards: an HTTP
+handler waiting on one would otherwise hold its caller until the caller's timeout.
 """
 
 from __future__ import annotations
@@ -30,6 +34,10 @@ if TYPE_CHECKING:  # the CPU engine's samplers; the simulated engine's process n
     import torch
 
 log = logging.getLogger(__name__)
+
+
+class EngineStopped(RuntimeError):
+    """The engine's scheduler thread has stopped: nothing queued or sent to it will be served."""
 
 
 @dataclass(eq=False)
@@ -87,6 +95,8 @@ class ScheduledEngine:
         self.wake = threading.Event()
         self.paused = False
         self.running = True
+        self.stopped = False
+        """Set once the thread has left its loop; from then on, work is failed, not queued."""
         self.thread = threading.Thread(target=self._schedule, name=f"{type(self).__name__}-scheduler", daemon=True)
 
     def start_scheduler(self) -> None:
@@ -99,6 +109,8 @@ class ScheduledEngine:
         """Queue a job; its future resolves to the job, its samples finished."""
         self.waiting.put(job)
         self.wake.set()
+        if self.stopped:  # the thread may have drained the queue before this put
+            self._fail_queued()
         return job.future
 
     def run_command(self, command: Callable[[], object]) -> Future:
@@ -106,6 +118,8 @@ class ScheduledEngine:
         future: Future = Future()
         self.commands.put((command, future))
         self.wake.set()
+        if self.stopped:
+            self._fail_queued()
         return future
 
     def pause(self) -> None:
@@ -138,17 +152,42 @@ class ScheduledEngine:
     # -- the scheduler thread ----------------------------------------------------------------
 
     def _schedule(self) -> None:
-        while self.running:
-            self._run_commands()
-            if not self._collect_work() or self.paused:
-                self.wake.wait(0.5)
-                self.wake.clear()
-                continue
+        reason = "the engine shut down"
+        try:
+            while self.running:
+                self._run_commands()
+                if not self._collect_work() or self.paused:
+                    self.wake.wait(0.5)
+                    self.wake.clear()
+                    continue
+                try:
+                    self._step()
+                except Exception as err:  # a failed step must fail its requests, not the server
+                    log.exception("engine step failed")
+                    self._fail_running(err)
+        except Exception as err:
+            log.exception("engine scheduler stopped")
+            reason = f"the engine's scheduler failed: {err!r}"
+        finally:
+            self.stopped = True
+            self._fail_running(EngineStopped(reason))
+            self._fail_queued()
+
+    def _fail_queued(self) -> None:
+        """Fail every job and command still queued (safe from any thread: each is taken once)."""
+        err = EngineStopped("the engine's scheduler has stopped")
+        while True:
             try:
-                self._step()
-            except Exception as err:  # a failed step must fail its requests, not the server
-                log.exception("engine step failed")
-                self._fail_running(err)
+                job = self.waiting.get_nowait()
+            except queue.Empty:
+                break
+            job.future.set_exception(err)
+        while True:
+            try:
+                _, future = self.commands.get_nowait()
+            except queue.Empty:
+                break
+            future.set_exception(err)
 
     def _run_commands(self) -> None:
         while not self.commands.empty():

@@ -139,10 +139,11 @@ class SimEngine(ScheduledEngine):
         self.retracted_tokens = sum(len(s.job.input_ids) + len(s.output_ids) for s in self.running_samples)
 
     def _fail_running(self, err: Exception) -> None:
-        for job in {s.job for s in self.running_samples}:
+        """End the running and the queued jobs, as the CPU engine does (its queue holds both)."""
+        for job in {s.job for s in self.running_samples} | set(self.backlog):
             if not job.future.done():
                 job.future.set_exception(err)
-        self.running_samples, self.lengths, self.rngs = [], {}, {}
+        self.running_samples, self.lengths, self.rngs, self.backlog = [], {}, {}, []
 
     def _drain_waiting(self) -> None:
         """Move submitted jobs into the backlog, in order (where an abort can find them)."""
