@@ -36,7 +36,7 @@ from infra.engines.cpu import CpuEngine  # noqa: E402
 from infra.engines.scheduler import GenerationJob  # noqa: E402
 from infra.scratch import scratch_dir  # noqa: E402
 from infra.modelfactory import load_model, load_tokenizer, prepare_initial_model  # noqa: E402
-from tasks.envs import load_environment  # noqa: E402
+from tasks.envs import environment_factory  # noqa: E402
 from tasks.loss import group_advantages  # noqa: E402
 from tasks.rollout import run_episode, run_group  # noqa: E402
 from tasks.trainer import Trainer, build_batch  # noqa: E402
@@ -74,8 +74,7 @@ def bare_loop(overrides: list[str], work: Path) -> dict:
     tokenizer.save_pretrained(work / "v0")
     engine = CpuEngine(work / "v0", max_batch_size=config.engine.max_batch_size, weight_version="0")
     client = InProcessClient(engine)
-    env_cls = load_environment(config.env.entrypoint)
-    make_env = lambda: env_cls(max_turns=config.env.max_turns, **config.env.kwargs)  # noqa: E731
+    make_env = environment_factory(config.env.entrypoint, config.env.max_turns, config.env.kwargs)
     train_prompts = make_env().prompts("train", config.env.train_prompts, config.seed)
     eval_prompts = make_env().prompts("eval", config.env.eval_prompts, config.seed)
     gen = config.generation

@@ -53,5 +53,6 @@ def evaluation(config: RunConfig, version: int | None = None) -> dict:
     metrics = MetricsLog(store, "evaluation", flush_seconds=0)
     metrics.log("evaluation", **result)
     publish_evaluation(config.run_id, result)
-    print(f"v{version}: score {result['score']:.3f}, solved {result['solved']:.1%} of {result['prompts']} held-out prompts")
+    failed = f" ({result['failed']} left out: the environment failed them)" if result["failed"] else ""
+    print(f"v{version}: score {result['score']:.3f}, solved {result['solved']:.1%} of {result['prompts']} held-out prompts{failed}")
     return result

@@ -135,7 +135,7 @@ def publish_summary(summary: dict, run_url: str, run_id: str) -> None:
 @best_effort
 def publish_evaluation(run_id: str, result: dict) -> None:
     """The held-out score of one snapshot, as a new version of the run's evaluation artifact."""
-    row = {k: result.get(k) for k in ("version", "score", "solved", "prompts")}
+    row = {k: result.get(k) for k in ("version", "score", "solved", "prompts", "failed")}
     create_table_artifact([row], key=artifact_key(run_id, "evaluation"),
                           description=f"run {run_id}: held-out score of snapshot v{result.get('version')}")  # fmt: skip
 

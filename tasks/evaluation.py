@@ -3,6 +3,12 @@
 It runs the same rollout code as training (tasks/rollout.py) with temperature 0 and one sample
 per prompt, so what is measured is exactly the agent loop that is trained, multi-turn tool calls
 included. The score is the mean reward, and `solved` the fraction of episodes with reward 1.
+
+An episode its environment fails (a tool that times out or raises, a reward that is not finite)
+is left out of both and counted in `failed`, as training sets such a group aside: a flaky tool
+costs its episodes, not the run's opening or closing evaluation. Past FAILED_SHARE_LIMIT of the
+held-out prompts, the evaluation fails itself (`EvaluationFailed`): a score over the few that
+were played would be compared as if it were the held-out set's.
 """
 
 from __future__ import annotations
@@ -10,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import logging
 import math
 from pathlib import Path
 
@@ -17,14 +24,23 @@ from configs.schema import RunConfig
 from infra.engines.api import SamplingParams
 from infra.engines.client import EngineClient
 from infra.modelfactory import load_tokenizer
-from tasks.envs import Prompt, load_environment
-from tasks.rollout import model_eos_ids, run_episode
+from tasks.envs import Prompt, environment_factory
+from tasks.envthread import EnvironmentFailed
+from tasks.rollout import PromptTooLong, check_prompts_fit, model_eos_ids, run_episode
+
+log = logging.getLogger(__name__)
 
 
 HELD_OUT_SPLIT = 2
 """Which held-out prompts the built-in environments draw: 2 since a problem is held out only if
 its operands-swapped twin is too (tasks/envs/base.py `sample_prompts`); scores recorded under
 another are not this one's."""
+FAILED_SHARE_LIMIT = 0.5
+"""The largest share of held-out episodes an environment may fail in an evaluation that scores."""
+
+
+class EvaluationFailed(RuntimeError):
+    """The environment failed too many held-out episodes for the rest to score the snapshot."""
 
 
 def evaluation_setup(config: RunConfig, prompts: list[Prompt] | None = None) -> str:
@@ -51,8 +67,8 @@ def evaluation_setup(config: RunConfig, prompts: list[Prompt] | None = None) -> 
 
 def held_out_prompts(config: RunConfig) -> list[Prompt]:
     """The prompts an evaluation of `config`'s run scores, as its environment draws them now."""
-    env_cls = load_environment(config.env.entrypoint)
-    return env_cls(max_turns=config.env.max_turns, **config.env.kwargs).prompts("eval", config.env.eval_prompts, config.seed)
+    make_env = environment_factory(config.env.entrypoint, config.env.max_turns, config.env.kwargs)
+    return make_env().prompts("eval", config.env.eval_prompts, config.seed)
 
 
 def is_score(value: object) -> bool:
@@ -70,30 +86,47 @@ def same_setup(record: dict, setup: str) -> bool:
 async def evaluate(client: EngineClient, model_dir: Path, config: RunConfig, version: int, concurrency: int = 64) -> dict:
     """Score `version` (its snapshot in `model_dir`, already loaded in the engines behind
     `client`) on the held-out prompts. Turns end on the same tokens as in training: the
-    tokenizer's and the model's generation-config end tokens (tasks/rollout.py)."""
+    tokenizer's and the model's generation-config end tokens (tasks/rollout.py).
+
+    PromptTooLong at once if a held-out prompt cannot fit the context (that is the config's to
+    fix, not a failure to count); EvaluationFailed if the environment fails more than
+    FAILED_SHARE_LIMIT of the episodes."""
     tokenizer = load_tokenizer(model_dir)
-    env_cls = load_environment(config.env.entrypoint)
-    make_env = lambda: env_cls(max_turns=config.env.max_turns, **config.env.kwargs)  # noqa: E731
+    make_env = environment_factory(config.env.entrypoint, config.env.max_turns, config.env.kwargs)
     prompts = held_out_prompts(config)
+    check_prompts_fit(prompts, tokenizer, config.model.max_position_embeddings, kind="held-out")
     greedy = SamplingParams(
         temperature=0.0, max_new_tokens=config.generation.max_new_tokens, stop_token_ids=model_eos_ids(model_dir)
     )
     limit = asyncio.Semaphore(concurrency)
 
-    async def one(prompt):
+    async def one(prompt) -> float | str:
+        """The episode's reward, or why its environment failed it."""
         async with limit:
-            return await run_episode(
-                client, make_env, prompt, tokenizer, greedy, max_turns=config.env.max_turns,
-                context_length=config.model.max_position_embeddings, loaded_version=version,
-                group_id=f"eval-{prompt.prompt_id}", producer="eval", env_timeout_s=config.env.step_timeout_s,
-            )  # fmt: skip
+            try:
+                episode = await run_episode(
+                    client, make_env, prompt, tokenizer, greedy, max_turns=config.env.max_turns,
+                    context_length=config.model.max_position_embeddings, loaded_version=version,
+                    group_id=f"eval-{prompt.prompt_id}", producer="eval", env_timeout_s=config.env.step_timeout_s,
+                )  # fmt: skip
+            except (EnvironmentFailed, PromptTooLong) as failure:  # PromptTooLong: what `reset` added to the text
+                return str(failure)
+            return episode.reward  # finite: the rollout fails an episode paid otherwise (a NaN score would be promoted)
 
-    episodes = await asyncio.gather(*(one(p) for p in prompts))
-    rewards = [e.reward for e in episodes]  # finite: the rollout fails an episode paid otherwise (a NaN score would be promoted)
+    outcomes = await asyncio.gather(*(one(p) for p in prompts))
+    failures = [o for o in outcomes if isinstance(o, str)]
+    rewards = [o for o in outcomes if not isinstance(o, str)]
+    if len(failures) > FAILED_SHARE_LIMIT * len(prompts):
+        raise EvaluationFailed(f"the environment failed {len(failures)} of {len(prompts)} held-out episodes of v{version}, "
+                               f"more than {FAILED_SHARE_LIMIT:.0%}; the first: {failures[0]}")  # fmt: skip
+    if failures:
+        log.warning("left %d of %d held-out episodes of v%d out of the score: the environment failed them; the first: %s",
+                    len(failures), len(prompts), version, failures[0])  # fmt: skip
     return {
         "version": version,
         "score": sum(rewards) / len(rewards),
         "solved": sum(r >= 1.0 for r in rewards) / len(rewards),
-        "prompts": len(rewards),
+        "prompts": len(prompts),
+        "failed": len(failures),
         "setup": evaluation_setup(config, prompts),
     }

@@ -28,7 +28,7 @@ from infra.engines.fleet import EngineFleet
 from infra.manifest import ManifestError
 from infra.modelfactory import load_tokenizer
 from infra.storage import open_run_store
-from tasks.envs import load_environment
+from tasks.envs import environment_factory
 from tasks.failed_groups import failed_group_slots
 from tasks.lag import SlotClaims, admission_capacity, claim_share, read_trainer_state
 from tasks.rollout import check_prompts_fit, model_eos_ids
@@ -67,7 +67,7 @@ class Generator:
         self.cache_dir = cache_dir
         self.store = open_run_store(config.storage, config.run_id)
         self.claims = SlotClaims(self.store, producer, config.training.prompts_per_step)
-        env = load_environment(config.env.entrypoint)(max_turns=config.env.max_turns, **config.env.kwargs)
+        env = environment_factory(config.env.entrypoint, config.env.max_turns, config.env.kwargs)()
         self.prompts = env.prompts("train", config.env.train_prompts, config.seed)
         committed = committed_slots(self.store)
         self.committed_at_start = {slot: key for slot, key in committed.items() if parse_shard_key(key).producer == producer}

@@ -88,12 +88,18 @@ def prompt_token_ids(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]
     return [*bos, *tokenizer.encode(text, add_special_tokens=False)]
 
 
-def check_prompts_fit(prompts: Sequence[Prompt], tokenizer: PreTrainedTokenizerBase, context_length: int) -> None:
+def check_prompts_fit(
+    prompts: Sequence[Prompt], tokenizer: PreTrainedTokenizerBase, context_length: int, kind: str = "training"
+) -> None:
     """PromptTooLong naming the prompts whose text alone leaves no room for a model turn in the
-    context. The generator checks its training prompts as it starts: an episode finds out only
-    when its slot comes up, and each such prompt of a data set would then be set aside, its slot
-    after slot, the data set shrinking unannounced. Encoded a batch at a time, keeping lengths
-    only: a million prompts' token ids at once are gigabytes of Python lists."""
+    context. The generator checks its training prompts as it starts, an evaluation its held-out
+    ones (`kind` names which): an episode finds out only when its slot comes up, and each such
+    prompt of a data set would then be set aside, slot after slot, the data set shrinking
+    unannounced. Encoded a batch at a time, keeping lengths only: a million prompts' token ids
+    at once are gigabytes of Python lists.
+
+    What is checked is `prompt.text`: an environment whose `reset` adds to it (a chat template)
+    can still make an episode too long, which then fails its group alone."""
     bos = 0 if tokenizer.bos_token_id is None else 1
     too_long: list[tuple[str, int]] = []
     for start in range(0, len(prompts), PROMPT_CHECK_BATCH):
@@ -103,7 +109,7 @@ def check_prompts_fit(prompts: Sequence[Prompt], tokenizer: PreTrainedTokenizerB
     if too_long:
         shown = ", ".join(f"{prompt_id} ({length} tokens)" for prompt_id, length in too_long[:5])
         raise PromptTooLong(
-            f"{len(too_long)} of the {len(prompts)} training prompts leave no room for an answer in the model's context of "
+            f"{len(too_long)} of the {len(prompts)} {kind} prompts leave no room for an answer in the model's context of "
             f"{context_length} tokens (model.max_position_embeddings): {shown}{', ...' if len(too_long) > 5 else ''}; "
             "raise it to the model's own context, or leave them out of the environment's prompts"
         )  # fmt: skip

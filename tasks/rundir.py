@@ -24,7 +24,7 @@ from configs.fields import MASKED_SECRET, is_run_id
 from configs.schema import PRETRAINED_TRAINING_DEFAULTS, RunConfig
 from infra.modelfactory import given_model_dir, load_tokenizer, load_trainable_model, prepare_initial_model
 from infra.storage import RunStore, StorageRejected, open_run_store
-from tasks.envs import EnvironmentLoadError, load_environment
+from tasks.envs import EnvironmentLoadError, environment_factory
 from tasks.placement import release_gpu_memory, trainer_device
 from tasks.snapshots import latest_version, move_latest_forward, publish_snapshot, publish_snapshot_dir, snapshot_versions
 
@@ -203,11 +203,11 @@ def check_run_inputs(config: RunConfig, store: RunStore) -> None:
         raise ConfigError(f"storage.root {config.storage.root}: memory:// lives in one process (tests use it), and a run's "
                           "processes would each see their own, gone when they exit; use file:// or s3://")  # fmt: skip
     try:
-        env_cls = load_environment(config.env.entrypoint)
+        make_env = environment_factory(config.env.entrypoint, config.env.max_turns, config.env.kwargs)
     except EnvironmentLoadError as err:
         raise ConfigError(f"env.entrypoint: {err}") from None
     try:
-        env = env_cls(max_turns=config.env.max_turns, **config.env.kwargs)
+        env = make_env()
     except Exception as err:  # whatever the user's class raises on these kwargs, a retry reads the same
         raise ConfigError(f"env.kwargs: {config.env.entrypoint} refuses them: {type(err).__name__}: {err}") from None
     for split, count in (("train", config.env.train_prompts), ("eval", config.env.eval_prompts)):

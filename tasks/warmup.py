@@ -13,7 +13,7 @@ import random
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from configs.schema import RunConfig
-from tasks.envs import Environment, load_environment
+from tasks.envs import Environment, environment_factory
 from tasks.rollout import prompt_token_ids
 from tasks.trainer import Trainer, build_supervised_batch
 
@@ -33,8 +33,7 @@ def demonstration_example(env: Environment, prompt, tokenizer: PreTrainedTokeniz
 
 def warm_start(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, config: RunConfig) -> list[float]:
     """Run the warm-start on `model` in place; returns the loss of every step."""
-    env_cls = load_environment(config.env.entrypoint)
-    make_env = lambda: env_cls(max_turns=config.env.max_turns, **config.env.kwargs)  # noqa: E731
+    make_env = environment_factory(config.env.entrypoint, config.env.max_turns, config.env.kwargs)
     prompts = make_env().prompts("train", config.env.train_prompts, config.seed)
     rng = random.Random(config.seed)
     trainer = Trainer(model, config.training.model_copy(update={"kl_coef": 0.0}))  # supervised: no KL term

@@ -30,7 +30,7 @@ from infra.engines.client import EngineClient
 from infra.modelfactory import load_tokenizer
 from infra.scratch import scratch_dir
 from infra.storage import RunStore, open_run_store
-from tasks.envs import Prompt, load_environment
+from tasks.envs import Prompt, environment_factory
 from tasks.envthread import EnvironmentFailed
 from tasks.failed_groups import failed_group_key, set_aside_group
 from tasks.lag import read_trainer_state
@@ -104,12 +104,12 @@ def generate_group(spec: GroupSpec) -> GroupResult | None:
     if read_trainer_state(store).done:
         return None
     tokenizer = _tokenizer(store)
-    env_cls = load_environment(spec.env_entrypoint)
+    make_env = environment_factory(spec.env_entrypoint, spec.max_turns, spec.env_kwargs)
 
     async def play():
         client = await _engine_client(spec)
         return await run_group(
-            client, lambda: env_cls(max_turns=spec.max_turns, **spec.env_kwargs), spec.prompt, spec.samples,
+            client, make_env, spec.prompt, spec.samples,
             tokenizer, SamplingParams(**spec.sampling), max_turns=spec.max_turns,
             context_length=spec.context_length, loaded_version=spec.loaded_version,
             group_id=f"s{spec.slot:08d}", producer=spec.producer, env_timeout_s=spec.env_timeout_s,

@@ -27,7 +27,7 @@ from infra.modelfactory import build_tokenizer, load_tokenizer
 from infra.ports import free_port_block
 from tasks.envs import Environment, Prompt, StepResult
 from tasks.envs.calculator import CalculatorEnv
-from tasks.evaluation import evaluate
+from tasks.evaluation import EvaluationFailed, evaluate
 from tasks.rollout import (
     EngineAnswerError, EnvironmentFailed, PromptTooLong, behaviour_logprobs, check_prompts_fit, model_eos_ids, prompt_token_ids,
     run_episode, run_group, turn_stop_ids, turn_text,
@@ -193,29 +193,69 @@ def test_evaluation_ends_turns_on_the_models_end_tokens(engine, tmp_path: Path):
 
 
 class NanRewardEnv(OneTokenEnv):
-    """OneTokenEnv whose reward is NaN on held-out prompt eval-3: an environment's bug."""
+    """OneTokenEnv whose reward is NaN on the held-out prompts `nan_on` names: an environment's bug."""
+
+    def __init__(self, max_turns: int, nan_on: list[str]):
+        super().__init__(max_turns)
+        self.nan_on = nan_on
 
     def reset(self, prompt: Prompt) -> str:
         self.prompt_id = prompt.prompt_id
         return prompt.text
 
     def step(self, action: str) -> StepResult:
-        return StepResult("", float("nan") if self.prompt_id == "eval-3" else 1.0, True, {})
+        return StepResult("", float("nan") if self.prompt_id in self.nan_on else 1.0, True, {})
 
 
-def test_an_evaluation_that_meets_a_reward_that_is_not_finite_fails_naming_the_prompt(engine):
-    """A NaN score was recorded (as null) and promoted, since nothing compares above NaN; the next
-    retrain then failed on the null it read back."""
-    model, url = engine
+def evaluate_nan_env(url: str, model: Path, nan_on: list[str], prompts: int = 8) -> dict:
     config = RunConfig.model_validate({
-        "env": {"entrypoint": "tests.test_rollout:NanRewardEnv", "kwargs": {}, "eval_prompts": 8, "max_turns": 1},
+        "env": {"entrypoint": "tests.test_rollout:NanRewardEnv", "kwargs": {"nan_on": nan_on}, "eval_prompts": prompts, "max_turns": 1},
     })  # fmt: skip
 
     async def score() -> dict:
         async with EngineClient([url]) as client:
             return await evaluate(client, model, config, version=4)
 
-    with pytest.raises(EnvironmentFailed, match="NanRewardEnv.step on prompt eval-3 returned the reward nan"):
+    return asyncio.run(score())
+
+
+def test_an_evaluation_leaves_out_the_episodes_its_environment_failed(engine):
+    """One held-out episode an environment failed (here: a NaN reward) failed the whole
+    evaluation, and with it the pipeline run, before training or after all of it; training
+    only sets such a group aside. A NaN must still never reach the score: it was recorded (as
+    null) and promoted, since nothing compares above NaN."""
+    model, url = engine
+    result = evaluate_nan_env(url, model, nan_on=["eval-3"])
+    assert result["failed"] == 1 and result["prompts"] == 8
+    assert result["score"] == 1.0 and result["solved"] == 1.0, "scored over the seven the environment paid"
+
+
+def test_an_evaluation_whose_environment_fails_most_episodes_fails_naming_the_first(engine):
+    model, url = engine
+    with pytest.raises(EvaluationFailed, match=r"failed 5 of 8 held-out episodes of v4.*returned the reward nan"):
+        evaluate_nan_env(url, model, nan_on=[f"eval-{i}" for i in range(5)])
+    assert evaluate_nan_env(url, model, nan_on=[f"eval-{i}" for i in range(4)])["failed"] == 4, "half still scores"
+
+
+class LongPromptEnv(OneTokenEnv):
+    def prompts(self, split, count, seed):
+        return [Prompt(f"{split}-{i}", "1 + " * 20 + "2 =", "") for i in range(count)]
+
+
+def test_an_evaluation_refuses_held_out_prompts_longer_than_the_context(engine):
+    """Before: each such episode raised PromptTooLong out of the evaluation, and it failed the
+    run; now the held-out prompts are checked first, named as such."""
+    model, url = engine
+    config = RunConfig.model_validate({
+        "env": {"entrypoint": "tests.test_rollout:LongPromptEnv", "kwargs": {}, "eval_prompts": 2, "max_turns": 1},
+        "model": {"max_position_embeddings": 16},
+    })  # fmt: skip
+
+    async def score() -> dict:
+        async with EngineClient([url]) as client:
+            return await evaluate(client, model, config, version=4)
+
+    with pytest.raises(PromptTooLong, match="of the 2 held-out prompts leave no room"):
         asyncio.run(score())
 
 

@@ -2,7 +2,7 @@
 
 - base.py: the contract (`Environment`, one instance per episode, with `prompts`, `reset`, `step`
   and `demonstration`; `Prompt`, `StepResult`, `Segment`), the hash-based train/eval split, the
-  entrypoint loader (`load_environment`) and prompt files from storage (`load_prompts`,
+  entrypoint loader (`load_environment`, and `environment_factory` over it) and prompt files from storage (`load_prompts`,
   `split_prompts`).
 - arithmetic.py: `AdditionEnv`, single-turn addition with an exact-match or partial-credit reward.
 - calculator.py: `CalculatorEnv`, a two-turn tool task: call "CALC a op b", read "RESULT ...",
@@ -18,6 +18,7 @@ from tasks.envs.base import (
     Prompt,
     Segment,
     StepResult,
+    environment_factory,
     load_environment,
     load_prompts,
     split_prompts,
@@ -29,6 +30,7 @@ __all__ = [
     "Prompt",
     "Segment",
     "StepResult",
+    "environment_factory",
     "load_environment",
     "load_prompts",
     "split_prompts",

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import json
@@ -167,6 +168,12 @@ def load_environment(entrypoint: str) -> type[Environment]:
         missing = ", ".join(sorted(cls.__abstractmethods__))
         raise EnvironmentLoadError(f"{where}: {class_name} does not implement {missing}")
     return cls
+
+
+def environment_factory(entrypoint: str, max_turns: int, kwargs: dict[str, Any]) -> Callable[[], Environment]:
+    """What makes one episode's environment: the class `entrypoint` names (`load_environment`,
+    imported once), called with `max_turns` and the config's `env.kwargs` at each call."""
+    return functools.partial(load_environment(entrypoint), max_turns=max_turns, **kwargs)
 
 
 def load_prompts(data: bytes, fmt: Literal["jsonl", "parquet"]) -> list[Prompt]:
