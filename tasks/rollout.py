@@ -45,6 +45,10 @@ from tasks.shards import Rollout
 EOT_TOKEN = "<eot>"
 PROMPT_CHECK_BATCH = 4096
 """Prompts `check_prompts_fit` encodes at once."""
+CHARS_PER_TOKEN_BOUND = 32
+"""An observation is cut to this many characters per token of room before it is encoded: the
+tokens it is then cut to are the same (a token of more characters is rare), and a tool's
+multi-megabyte log is not encoded whole on the event loop every episode of the worker shares."""
 
 
 def turn_stop_ids(tokenizer: PreTrainedTokenizerBase, model_eos: Iterable[int] = ()) -> list[int]:
@@ -191,8 +195,8 @@ async def _play(
             finish = "max_turns"
             reward += (await env.truncate()).reward
             break
-        observation = tokenizer.encode(step.observation, add_special_tokens=False)
-        observation = observation[: max(0, context_length - len(prompt_ids) - len(completion))]
+        room = max(0, context_length - len(prompt_ids) - len(completion))
+        observation = tokenizer.encode(step.observation[: CHARS_PER_TOKEN_BOUND * room], add_special_tokens=False)[:room]
         completion += observation
         mask += [0] * len(observation)
         logprobs += [0.0] * len(observation)

@@ -31,6 +31,7 @@ from tasks.envs import (
 from tasks.envs.arithmetic import AdditionEnv
 from tasks.envs.base import is_held_out
 from tasks.envs.calculator import CalculatorEnv
+from tasks.rollout import turn_stop_ids, turn_text
 
 UNK_ID = 3
 CALC_PROMPT = Prompt("c", "Q 3 7 + 4 5", "8 2")
@@ -74,13 +75,15 @@ def tokenizer():
 
 
 def play(env: Environment, prompt: Prompt, segments: list[Segment], tokenizer):
-    """Feed the model segments as the rollout would (special tokens stripped by decode)."""
+    """Feed the model segments as the rollout would: each turn's tokens decoded without the stop
+    token that closed it, any other special token left in as text (tasks/rollout.py `turn_text`)."""
     assert env.reset(prompt) == prompt.text
     observations, result = [], None
     for segment in segments:
         if segment.from_model:
             assert result is None or not result.done
-            action = tokenizer.decode(tokenizer.encode(segment.text), skip_special_tokens=True)
+            tokens = tokenizer.encode(segment.text, add_special_tokens=False)
+            action = turn_text(tokenizer, tokens, turn_stop_ids(tokenizer))
             result = env.step(action)
             observations += [result.observation] if result.observation else []
     return result, observations

@@ -545,3 +545,36 @@ def test_an_answer_without_one_finite_logprob_for_each_of_its_tokens_is_refused(
     with pytest.raises(EngineAnswerError, match=named):
         behaviour_logprobs({"output_token_logprobs": entries}, [7, 8, 9])
     assert behaviour_logprobs({"output_token_logprobs": [[-0.5, 7, None], [-1, 8, "x"], [0.0, 9]]}, [7, 8, 9]) == [-0.5, -1.0, 0.0]
+
+
+LONG_OBSERVATION = " 7" * 100_000 + " <eot>"
+
+
+class FloodEnv(ToolEnv):
+    """ToolEnv whose tool answers with 100,000 tokens: a log far past the context."""
+
+    def step(self, action: str) -> StepResult:
+        return StepResult(LONG_OBSERVATION, 0.0, False, {})
+
+
+def test_an_observation_past_the_context_is_cut_to_fill_it_exactly(engine):
+    """The tool's answer is cut to the room the context leaves, from its start, and the episode
+    then ends at the context: the encoding of a character prefix (not of the whole log, on the
+    event loop every episode of the worker shares) gives the same tokens."""
+    model, url = engine
+    tokenizer = load_tokenizer(model)
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=4, ignore_eos=True)
+
+    async def episode():
+        async with EngineClient([url]) as client:
+            return await run_episode(
+                client, FloodEnv(3), Prompt("train-0", "1 + 2 =", "3"), tokenizer, sampling,
+                max_turns=3, context_length=64, loaded_version=4, group_id="g0", producer="gen0",
+            )  # fmt: skip
+
+    rollout = asyncio.run(episode())
+    model_turn = rollout.loss_mask.index(0)
+    observation = rollout.completion_ids[model_turn:]
+    assert len(rollout.prompt_ids) + len(rollout.completion_ids) == 64, "the observation fills the context"
+    assert set(rollout.loss_mask[model_turn:]) == {0} and rollout.turns == 1 and rollout.finish_reason == "length"
+    assert observation == tokenizer.encode(LONG_OBSERVATION, add_special_tokens=False)[: len(observation)]

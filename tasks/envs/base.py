@@ -53,7 +53,8 @@ class Segment:
 class StepResult:
     """What `step` returns. `observation` is appended to the context as-is ("" when done). The
     episode's reward is the sum of its steps' rewards (and `truncate`'s, when the rollout cuts it
-    short): a task may pay as it goes, or only at its last step. A reward is a finite number."""
+    short): a task may pay as it goes, or only at its last step. A reward is a finite number.
+    `info` is the environment's own (its tests, its debugging): tandem does not record it."""
     observation: str
     reward: float
     done: bool
@@ -79,7 +80,9 @@ class Environment(ABC):
     @abstractmethod
     def step(self, action: str) -> StepResult:
         """Play one model turn. `action` is the turn decoded without the stop token that closed
-        it (<eot>/<eos>); any other special token in it is left in as text. The observation is tool text that ends with "<eot>" so
+        it (<eot>/<eos>); any other special token in it is left in as text. Which of them closed
+        it is not passed (a chat model ends every turn on the same one): whether the episode
+        ends is the action text's to say, as "ANSWER ..." does in CalculatorEnv. The observation is tool text that ends with "<eot>" so
         the model sees a turn boundary; the rollout tokenizes it as-is. Never raises on any
         action text; raises RuntimeError when called before reset or after done. The rollout
         calls it in a thread of its own (so it may block on a tool: a subprocess, an HTTP call),
@@ -97,7 +100,10 @@ class Environment(ABC):
     def demonstration(self, prompt: Prompt) -> list[Segment]:
         """The ideal episode after the prompt, exactly as the rollout would record it for a
         perfect model: model turns end with <eot> (more to come) or <eos> (the last), and the
-        env segments equal the observations `step` returns. Used by the supervised warm-start."""
+        env segments equal the observations `step` returns. Used by the supervised warm-start,
+        which encodes the text as it is: <eot> and <eos> are the tiny tokenizer's end tokens; for
+        another model, write its own (Qwen's <|im_end|>), or the warm-start teaches the model to
+        write the characters "<eos>"."""
 
 
 def is_held_out(text: str, fraction: float = HELD_OUT_FRACTION) -> bool:
