@@ -40,6 +40,7 @@ import re
 import shutil
 import uuid
 from datetime import datetime, timezone
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -173,39 +174,49 @@ def read_manifest(store: RunStore, prefix: str) -> dict[str, Any]:
     return parse_manifest(_read_manifest_bytes(store, prefix))
 
 
-def fetch_directory(store: RunStore, prefix: str, local_dir: Path) -> dict[str, Any]:
+def fetch_directory(
+    store: RunStore, prefix: str, local_dir: Path, include: Callable[[str], bool] | None = None
+) -> dict[str, Any]:
     """Download the committed directory at `prefix` into `local_dir`, verified; return its manifest.
 
     A `local_dir` that already holds the same manifest and verifies is reused as it is. Its
-    files are for reading: on file:// they may be hard links to the store's (`RunStore.download`)."""
+    files are for reading: on file:// they may be hard links to the store's (`RunStore.download`).
+
+    `include`: fetch only the files whose names it accepts, each verified as in a whole fetch
+    (a tokenizer without the weights beside it). No manifest is written into such a copy, so it
+    is never taken for a whole one."""
     local_dir = Path(local_dir)
     stored_sizes = store.sizes(prefix)  # one listing for the manifest's size and every file's
     data = _read_manifest_bytes(store, prefix, stored_sizes)
     try:
-        return _fetch_committed(store, prefix, local_dir, stored_sizes, data)
+        return _fetch_committed(store, prefix, local_dir, stored_sizes, data, include)
     except ManifestError as err:
         err.manifest_digest = hashlib.sha256(data).hexdigest()
         raise
 
 
-def _fetch_committed(store: RunStore, prefix: str, local_dir: Path, stored_sizes: dict[str, int], data: bytes) -> dict[str, Any]:
+def _fetch_committed(
+    store: RunStore, prefix: str, local_dir: Path, stored_sizes: dict[str, int], data: bytes, include: Callable[[str], bool] | None
+) -> dict[str, Any]:  # fmt: skip
     manifest = parse_manifest(data)
-    if _is_verified_copy(local_dir, data):
+    if include is None and _is_verified_copy(local_dir, data):
         return manifest
+    files = {name: entry for name, entry in manifest["files"].items() if include is None or include(name)}
     local_dir.parent.mkdir(parents=True, exist_ok=True)
     stored = store.local_path(prefix)
     try:
         linked = stored is not None and stored.stat().st_dev == local_dir.parent.stat().st_dev  # takes no space
     except FileNotFoundError as err:  # retired since the listing, as a file missing at its download is
         raise ManifestError(f"{prefix}: deleted while it was fetched") from err
-    needed = 0 if linked else sum(entry["size"] for entry in manifest["files"].values())
+    needed = 0 if linked else sum(entry["size"] for entry in files.values())
     free = shutil.disk_usage(local_dir.parent).free
     if needed > free:  # the machine's trouble, not the snapshot's: not a ManifestError, which rejects the snapshot
         raise OSError(errno.ENOSPC, f"no space for {prefix}: it needs {needed} bytes, {free} are free at {local_dir.parent} "
                       "(a generator keeps its engines' snapshot there until the next one has loaded: leave room for two)")
     staging = local_dir.with_name(f".{local_dir.name}.{uuid.uuid4().hex}.partial")
     try:
-        for name, entry in manifest["files"].items():
+        staging.mkdir()
+        for name, entry in files.items():
             key = f"{prefix}/{name}"
             if key not in stored_sizes:
                 raise ManifestError(f"{name}: listed in the manifest but missing")
@@ -216,7 +227,8 @@ def _fetch_committed(store: RunStore, prefix: str, local_dir: Path, stored_sizes
             except FileNotFoundError as err:
                 raise ManifestError(f"{name}: listed in the manifest but missing") from err
             _verify_file(staging / name, name, entry)
-        (staging / MANIFEST_NAME).write_bytes(data)
+        if include is None:
+            (staging / MANIFEST_NAME).write_bytes(data)
         _move_into_place(staging, local_dir, data)
     finally:
         shutil.rmtree(staging, ignore_errors=True)

@@ -214,17 +214,24 @@ def committed_version(store: RunStore, version: int | None) -> int:
     )
 
 
-def load_snapshot(store: RunStore, cache_dir: Path, version: int | None = None) -> Path:
+def load_snapshot(store: RunStore, cache_dir: Path, version: int | None = None, weights: bool = True) -> Path:
     """Fetch and verify snapshot `version` (default: LATEST) into cache_dir; returns its directory.
 
-    The directory loads with `AutoModelForCausalLM.from_pretrained` and SGLang as it is."""
+    The directory loads with `AutoModelForCausalLM.from_pretrained` and SGLang as it is. Without
+    `weights`, every file but the *.safetensors is fetched: what a tokenizer loads from, for a
+    process that needs no model (each Dask worker: a 14B model's 28 GB fetched and hashed per
+    worker, for its tokenizer, filled a machine's disk)."""
     if version is None:
         version = latest_version(store)
         if version is None:
             raise FileNotFoundError(f"no snapshot published under {store.url_of(WEIGHTS)}")
     local_dir = Path(cache_dir) / f"v{version:08d}"
-    fetch_directory(store, snapshot_prefix(version), local_dir)
+    fetch_directory(store, snapshot_prefix(version), local_dir, None if weights else _not_weights)
     return local_dir
+
+
+def _not_weights(name: str) -> bool:
+    return not name.endswith(".safetensors")
 
 
 def pin_snapshot(store: RunStore, consumer: str, version: int, lapse_seconds: float | None = None) -> None:

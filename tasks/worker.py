@@ -215,7 +215,8 @@ _TOKENIZER_LOCK = threading.Lock()
 
 
 def _tokenizer(store: RunStore) -> PreTrainedTokenizerBase:
-    """The run's tokenizer, fetched once per worker process from snapshot v0 (verified).
+    """The run's tokenizer, fetched once per worker process from snapshot v0 (verified), without
+    the weights beside it.
 
     One fetch per process (the lock) into a scratch directory of its own, removed once the
     tokenizer is in memory: a worker runs several groups in threads, and several workers share
@@ -223,7 +224,7 @@ def _tokenizer(store: RunStore) -> PreTrainedTokenizerBase:
     with _TOKENIZER_LOCK:
         if store.url not in _TOKENIZERS:
             with scratch_dir("tandem-tokenizer-") as cache:
-                _TOKENIZERS[store.url] = load_tokenizer(load_snapshot(store, cache, version=0))
+                _TOKENIZERS[store.url] = load_tokenizer(load_snapshot(store, cache, version=0, weights=False))
         return _TOKENIZERS[store.url]
 
 

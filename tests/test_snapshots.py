@@ -183,6 +183,19 @@ def test_a_fetch_across_filesystems_copies(file_store, model, tokenizer) -> None
         assert (local / "model.safetensors").stat().st_nlink == 1 and verify_local_dir(local)["extra"] == {"version": 0}
 
 
+def test_a_fetch_without_weights_gives_a_verified_tokenizer_and_no_weights(store, tmp_path, model, tokenizer) -> None:
+    """What a Dask worker fetches for its tokenizer: every Dask worker fetched and hashed the
+    whole v0 (28 GB of a 14B model) for it. Each file it does fetch is verified as ever, and no
+    manifest is left to pass the copy off as a whole snapshot."""
+    publish_snapshot(store, model, tokenizer, version=0)
+    local = load_snapshot(store, tmp_path / "cache", 0, weights=False)
+    assert not list(local.glob("*.safetensors")) and not (local / MANIFEST_NAME).exists()
+    assert load_tokenizer(local).get_vocab() == tokenizer.get_vocab()
+    store.write_atomic(f"{snapshot_prefix(0)}/tokenizer.json", b"{}")
+    with pytest.raises(ManifestError, match="tokenizer.json"):
+        load_snapshot(store, tmp_path / "again", 0, weights=False)
+
+
 def test_a_fetch_needs_free_space_only_where_it_copies(store, tmp_path, model, tokenizer, monkeypatch) -> None:
     """A full disk stops a fetch that would copy the snapshot (s3://) before it writes anything,
     naming the bytes it needs; a fetch that links the files (file://, the cache on the store's
