@@ -57,6 +57,9 @@ class SeaweedServer:
     data_dir: Path
     port: int
     log_path: Path | None = None
+    s3_config: Path | None = None
+    """SeaweedFS's S3 identities file (`-s3.config`): with it, requests need those credentials;
+    without it, any key and secret are taken."""
     process: subprocess.Popen | None = field(default=None, repr=False)
 
     @property
@@ -76,6 +79,7 @@ class SeaweedServer:
             f"-volume.max={MAX_VOLUMES}",
             "-s3.port.iceberg=0", "-s3.port.lance=0",
             "-admin.ui=false", "-webdav=false", "-master.telemetry=false",
+            *([f"-s3.config={self.s3_config}"] if self.s3_config else []),
         ]  # fmt: skip
 
     def start(self, timeout: float = 60.0) -> SeaweedServer:

@@ -34,11 +34,11 @@ Durability on file:// (fsync), and why the two primitives differ:
 Every call retries transient errors (connection refused, timeouts, throttling, 5xx, a response
 cut off) with exponential backoff for up to `retry_seconds` from its first failure (so a call
 takes at most its failed attempts plus that long), so a storage outage of a few seconds stalls a
-run instead of killing it. Errors that no retry can fix fail at once: missing keys, permissions and
-bad credentials (FileNotFoundError, PermissionError as fsspec raises them), a full or read-only
-local disk (ENOSPC, EDQUOT, EROFS), and requests the
-server rejects as invalid (an invalid bucket name: OSError EINVAL, or any other 4xx answer except
-408 Request Timeout and 429 Too Many Requests) raise `StorageRejected` naming the store's URL.
+run instead of killing it. Errors that no retry can fix fail at once: missing keys (FileNotFoundError), a full or read-only
+local disk (ENOSPC, EDQUOT, EROFS), and, as `StorageRejected` naming the store's URL, refused
+access and bad credentials (the PermissionError fsspec raises, with the settings to check) and
+requests the server rejects as invalid (an invalid bucket name: OSError EINVAL, or any other 4xx
+answer except 408 Request Timeout and 429 Too Many Requests).
 infra/s3.py holds that reading of S3's errors, and the s3fs filesystem the store talks through.
 Names that start with "." are temporaries of an unfinished write and are never listed.
 """
@@ -388,6 +388,8 @@ class RunStore:
             try:
                 return contextvars.Context().run(call, *args, **kwargs)
             except PERMANENT_ERRORS as err:
+                if isinstance(err, PermissionError):
+                    raise StorageRejected(errno.EACCES, self._refused_access(err)) from err
                 if not is_missing_bucket(err):
                     raise
                 deadline = deadline or time.monotonic() + self.retry_seconds
@@ -405,6 +407,16 @@ class RunStore:
                 deadline = deadline or time.monotonic() + self.retry_seconds
                 self._wait_before_retry(err, deadline, delay)
                 delay = min(delay * 2, 2.0)
+
+    def _refused_access(self, err: PermissionError) -> str:
+        """What to check when the storage refuses access: s3fs raises AccessDenied, a wrong
+        secret (SignatureDoesNotMatch) and InvalidAccessKeyId as a bare PermissionError, which
+        named neither the store nor the settings that decide it."""
+        if self.protocol != "s3":
+            return f"storage at {self.url} refused access: {err}; this user must be able to read and write below it"
+        return (f"storage at {self.url} refused access: {err}; check storage.key and storage.secret (or "
+                "storage.credentials_block), and that they may list, read, write and delete below it, and create "
+                "its bucket unless it exists")  # fmt: skip
 
     def _wait_before_retry(self, err: BaseException, deadline: float, delay: float) -> None:
         """Sleep `delay` before the next try; StorageUnavailable if that would pass `deadline`."""

@@ -6,6 +6,7 @@ import contextvars
 import errno
 import gc
 import http.client
+import json
 import os
 import signal
 import subprocess
@@ -345,6 +346,34 @@ def test_a_missing_bucket_is_storage_unavailable_not_an_empty_run(s3_store: RunS
             read(gone)
     with pytest.raises(FileNotFoundError):
         s3_store.read_bytes("weights/v00000002/MANIFEST.json")
+
+
+@pytest.mark.s3
+@pytest.mark.slow
+def test_refused_access_fails_at_once_naming_the_store_and_the_settings(tmp_path: Path):
+    """s3fs raises a wrong secret and AccessDenied as a bare PermissionError, which the store
+    raised as it was: no URL, no hint, and past the CLI's storage errors as a traceback."""
+    identities = {"identities": [
+        {"name": "admin", "credentials": [{"accessKey": "admin", "secretKey": "right"}], "actions": ["Admin", "Read", "Write", "List"]},
+        {"name": "reader", "credentials": [{"accessKey": "reader", "secretKey": "right"}], "actions": ["Read", "List"]},
+    ]}  # fmt: skip
+    (tmp_path / "s3.json").write_text(json.dumps(identities))
+    with SeaweedServer(tmp_path / "data", free_s3_port(), s3_config=tmp_path / "s3.json") as server:
+        config = s3_storage_config(server, key="admin", secret="right", retry_seconds=20.0)
+        open_run_store(config, "r1").write_atomic("x", b"1")
+        cases = [  # a wrong secret, where the bucket is to be made; credentials that may not write
+            (s3_storage_config(server, key="admin", secret="wrong", retry_seconds=20.0), lambda store: None),
+            (s3_storage_config(server, root=config.root, key="reader", secret="right", retry_seconds=20.0),
+             lambda store: store.write_atomic("y", b"2")),
+        ]  # fmt: skip
+        for refused, call in cases:
+            started = time.monotonic()
+            with pytest.raises(StorageRejected) as caught:
+                call(open_run_store(refused, "r1"))
+            assert time.monotonic() - started < 5, "not retried for storage.retry_seconds"
+            message = str(caught.value)
+            assert caught.value.errno == errno.EACCES and f"{refused.root}/r1" in message
+            assert "storage.key and storage.secret" in message and "wrong" not in message and "right" not in message
 
 
 @pytest.mark.s3
