@@ -193,8 +193,8 @@ class Learner:
                     time.sleep(poll_seconds)
                     self.poll_seconds += poll_seconds
                 continue
-            valid = read_valid_shards(self.store, [c.key for c in batch], current_version=self.version,
-                                      vocab_size=model.vocab_size, context_length=model.max_position_embeddings)  # fmt: skip
+            valid = read_valid_shards(self.store, [c.key for c in batch], current_version=self.version, vocab_size=model.vocab_size,
+                                      context_length=model.max_position_embeddings, max_rows=self.config.generation.samples_per_prompt)  # fmt: skip
             for key, reason in valid.quarantined.items():
                 self._dispose(key, "quarantined", samples=1)
             for key, table in valid.tables.items():
@@ -405,7 +405,7 @@ class Learner:
         filled) from another copy, for which no replacement is owed, or one is already: counted lost,
         a stale copy of a group chosen already owed a replacement for a group that is trained.
         Adds the groups it drops to `accounted`."""
-        valid = read_valid_shards(self.store, keys, current_version=self.version)
+        valid = read_valid_shards(self.store, keys, current_version=self.version, max_rows=self.config.generation.samples_per_prompt)
         for key in valid.quarantined:
             self._dispose(key, "quarantined", samples=1)
         for key, table in valid.tables.items():

@@ -253,7 +253,7 @@ def read_shard(
 
 def decode_shard(
     data: bytes, key: str, *, current_version: int | None = None, vocab_size: int | None = None,
-    context_length: int | None = None,
+    context_length: int | None = None, max_rows: int | None = None,
 ) -> pa.Table:
     """Parse and validate the bytes of shard `key`; ShardError if they are not a good shard."""
     name = parse_shard_key(key)
@@ -275,6 +275,7 @@ def decode_shard(
         raise ShardError("its content does not match the digest written with it: damaged at rest or in transit")
     validate_table(
         table, producer=name.producer, current_version=current_version, vocab_size=vocab_size, context_length=context_length,
+        max_rows=max_rows,
     )
     lowest = pc.min(table["policy_version"]).as_py()
     if lowest != name.version:
@@ -289,16 +290,22 @@ def validate_table(
     current_version: int | None = None,
     vocab_size: int | None = None,
     context_length: int | None = None,
+    max_rows: int | None = None,
 ) -> None:
     """Raise ShardError unless `table` has ROLLOUT_SCHEMA and every value is in range.
 
     With `context_length` (the model's), a row of more tokens (prompt + completion) is refused:
     every turn of an episode fits the engine's context, so a longer row came from no engine of
-    this run, and one 10^6-token row would exhaust the trainer's memory."""
+    this run, and one 10^6-token row would exhaust the trainer's memory. With `max_rows` (the
+    run's generation.samples_per_prompt), so is a group of more episodes: its rows are padded
+    into the step's one batch, and a shard that ran the trainer out of memory was admitted
+    first again by every restart."""
     if not table.schema.equals(ROLLOUT_SCHEMA, check_metadata=False):
         raise ShardError(_schema_difference(table.schema))
     if table.num_rows == 0:
         raise ShardError("shard has no rows")
+    if max_rows is not None and table.num_rows > max_rows:
+        raise ShardError(f"a group is at most {max_rows} episodes (generation.samples_per_prompt), and this one has {table.num_rows}")
     groups = pc.unique(table["group_id"])
     if len(groups) > 1:  # the trainer records a group as trained, and drops its copies, by shard
         raise ShardError(f"a shard is one group, and this one holds {len(groups)}: {', '.join(map(str, groups.to_pylist()[:4]))}")
@@ -339,14 +346,16 @@ def validate_table(
 
 def read_valid_shards(
     store: RunStore, keys: Iterable[str], current_version: int, *, vocab_size: int | None = None,
-    context_length: int | None = None,
+    context_length: int | None = None, max_rows: int | None = None,
 ) -> ValidShards:
     """Read every shard of `keys`; quarantine the bad ones (logged) and return the rest.
 
     A shard that fails is read again before it is quarantined: bytes damaged on their way here
     (the digest's reason to be) would otherwise replace a good object with their bad copy."""
     result = ValidShards()
-    decode = functools.partial(decode_shard, current_version=current_version, vocab_size=vocab_size, context_length=context_length)
+    decode = functools.partial(
+        decode_shard, current_version=current_version, vocab_size=vocab_size, context_length=context_length, max_rows=max_rows
+    )
     for key in keys:
         try:
             data = store.read_bytes(key)

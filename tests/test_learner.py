@@ -37,6 +37,20 @@ def write_group(learner: Learner, group: str, seq: int, version: int = 0) -> str
     return write_shard(learner.store, rollouts, "gen0", seq).key
 
 
+def test_a_group_of_more_episodes_than_samples_per_prompt_is_quarantined_not_trained(tmp_path: Path):
+    """Its rows are padded into the step's batch: a producer's bug of 100,000 rows ran the
+    trainer out of memory, and every restart admitted that shard first again."""
+    learner = make_learner(tmp_path, "generation.samples_per_prompt=4")
+    oversized = write_shard(learner.store, make_rollouts(n=5, version=0), "gen0", 0).key
+    write_group(learner, "s00000001", seq=1)
+    write_group(learner, "s00000002", seq=2)
+    batch = learner.admit_batch(poll_seconds=0.01)
+    assert oversized not in batch and len(batch) == 2
+    assert learner.ledger.disposed[oversized] == "quarantined" and learner.ledger.lost_groups == 1
+    reason = json.loads(learner.store.read_bytes(f"quarantine/{oversized}.reason.json"))["reason"]
+    assert "at most 4 episodes (generation.samples_per_prompt), and this one has 5" in reason
+
+
 def copy_shard(learner: Learner, key: str, seq: int) -> str:
     copy = shard_key(0, "gen0", seq)
     assert learner.store.put_if_absent(copy, learner.store.read_bytes(key))
