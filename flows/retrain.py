@@ -34,12 +34,9 @@ from tasks.metrics import MetricsLog, read_metrics
 from tasks.promotion import Promotion, promote_if_better, read_promoted, rescore_promoted
 from tasks.rundir import CONFIG_KEY, RunConflict, RunMissing, check_recorded_config, load_run_config
 from tasks.snapshots import (
-    SnapshotMissing, committed_version, latest_version, load_snapshot, pin_snapshot, snapshot_versions, unpin_snapshot,
+    FETCH_PIN_SECONDS, SnapshotMissing, committed_version, latest_version, load_snapshot, pin_snapshot, snapshot_versions,
+    unpin_snapshot,
 )  # fmt: skip
-
-
-RETRAIN_FETCH_PIN_SECONDS = 24 * 3600
-"""How long the pin of the snapshot a new run starts from holds it, if its retrain never unpins it."""
 
 
 @flow(name="retrain", log_prints=True)
@@ -201,7 +198,7 @@ def _fetch_base(source_store, new_run_id: str, cache: Path) -> tuple[int, Path]:
     base = latest_version(source_store)
     if base is None:
         raise SnapshotMissing(f"run {source_store.url} has published no snapshot to start {new_run_id} from")
-    pin_snapshot(source_store, consumer, base, lapse_seconds=RETRAIN_FETCH_PIN_SECONDS)  # a retrain killed mid-fetch leaves it
+    pin_snapshot(source_store, consumer, base, lapse_seconds=FETCH_PIN_SECONDS)  # a retrain killed mid-fetch leaves it
     try:
         committed_version(source_store, base)  # after the pin: retention keeps what it finds
         return base, load_snapshot(source_store, cache / "weights", base)

@@ -34,7 +34,8 @@ from tasks.lag import SlotClaims, admission_capacity, claim_share, read_trainer_
 from tasks.rollout import check_prompts_fit, model_eos_ids
 from tasks.shards import committed_slots, parse_shard_key
 from tasks.snapshots import (
-    latest_version, load_snapshot, manifest_digest, pin_snapshot, report_rejected, snapshot_prefix, snapshot_versions,
+    FETCH_PIN_SECONDS, latest_version, load_snapshot, manifest_digest, pin_snapshot, report_rejected, snapshot_prefix,
+    snapshot_versions,
 )  # fmt: skip
 from tasks.worker import GroupResult, GroupSpec
 
@@ -144,7 +145,7 @@ class Generator:
             return None
         began = time.monotonic()
         previous = self.fleet.model_dir
-        pin_snapshot(self.store, self.producer, newest)
+        pin_snapshot(self.store, self.producer, newest, lapse_seconds=FETCH_PIN_SECONDS)
         try:
             local = load_snapshot(self.store, self.cache_dir / "weights", newest)
         except ManifestError as err:
@@ -277,7 +278,7 @@ def snapshot_dir_for_engines(config: RunConfig, cache_dir: Path, consumer: str) 
             raise FileNotFoundError(f"no snapshot under {store.url_of(snapshot_prefix(0))}: run `tandem init` first")
         rejected = []
         for version in sorted((v for v in snapshot_versions(store) if v <= latest), reverse=True):
-            pin_snapshot(store, consumer, version)
+            pin_snapshot(store, consumer, version, lapse_seconds=FETCH_PIN_SECONDS)
             try:
                 return load_snapshot(store, cache_dir / "weights", version), version
             except ManifestError as err:

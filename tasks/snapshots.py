@@ -234,6 +234,12 @@ def _not_weights(name: str) -> bool:
     return not name.endswith(".safetensors")
 
 
+FETCH_PIN_SECONDS = 24 * 3600
+"""How long a pin taken for a fetch holds its snapshot if its owner never unpins it. A generator
+and a retrain need the version in storage only while they fetch it (engines restart from the
+local copy); one killed before its `finally` otherwise kept a whole snapshot for good."""
+
+
 def pin_snapshot(store: RunStore, consumer: str, version: int, lapse_seconds: float | None = None) -> None:
     """Record that `consumer` uses `version`, so that retention keeps it (one pin per consumer).
 

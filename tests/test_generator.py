@@ -29,7 +29,9 @@ from tasks.failed_groups import failed_group_slots, set_aside_group
 from tasks.shards import committed_slots, list_shards, quarantined_keys, write_shard
 from tasks.worker import generate_group
 from tests.test_shards import make_rollouts
-from tasks.snapshots import LATEST_KEY, load_snapshot, publish_snapshot_dir, snapshot_prefix, withdraw_after
+from tasks.snapshots import (
+    FETCH_PIN_SECONDS, LATEST_KEY, PINS, load_snapshot, publish_snapshot_dir, snapshot_prefix, withdraw_after,
+)  # fmt: skip
 
 pytestmark = pytest.mark.slow  # every test starts an engine
 
@@ -199,6 +201,21 @@ def test_a_load_leaves_only_the_loaded_version_on_local_disk(generator):
     assert sorted(p.name for p in (gen.cache_dir / "weights").iterdir()) == ["v00000001"]
     gen.fleet.processes[0].stop()
     assert gen.fleet.restart_dead() == gen.fleet.urls, "an engine that died restarts on the version kept"
+    assert httpx.get(gen.fleet.urls[0] + "/server_info", timeout=10).json()["weight_version"] == "1"
+
+
+def test_a_generators_pin_lapses_and_its_engines_restart_without_the_stored_copy(generator):
+    """A generator killed before it unpinned (SIGKILL, a lost machine) kept its version in storage
+    for good. The pin needs only outlive the fetch: it lapses, and an engine that dies after
+    retention removed the version restarts from the generator's local copy."""
+    gen, store = generator
+    _publish_v1(gen, store)
+    assert gen.refresh_weights()
+    pin = json.loads(store.read_bytes(f"{PINS}/gen0.json"))
+    assert pin["version"] == 1 and FETCH_PIN_SECONDS - 60 < pin["lapses_at"] - time.time() <= FETCH_PIN_SECONDS
+    store.delete_prefix(snapshot_prefix(1))  # as retention may, once the pin has lapsed
+    gen.fleet.processes[0].stop()
+    assert gen.fleet.restart_dead() == gen.fleet.urls
     assert httpx.get(gen.fleet.urls[0] + "/server_info", timeout=10).json()["weight_version"] == "1"
 
 
