@@ -12,12 +12,20 @@ those in the environment.
 - The temporary Prefect server of a local run: no analytics, and 120 s to start instead of
   Prefect's 20, which a laptop busy with other work (a run already going) exceeded: `tandem run`
   then failed with "Timed out while attempting to connect to ephemeral Prefect API server".
+- tandem's own loggers (`tasks`, `infra`, `flows`: an engine restarted, a shard quarantined,
+  storage retrying) also log to the Prefect API, so that their warnings show in the run's logs
+  in the UI, not only in the terminal; records from threads outside a run are not sent, and not
+  warned about. A deployed run's process has imported Prefect before this package: prefect.yaml
+  sets the same for its runs (TANDEM_PREFECT_LOGGING).
 """
 
 import os
 
 EPHEMERAL_SERVER_STARTUP_SECONDS = 120
+TANDEM_PREFECT_LOGGING = {"PREFECT_LOGGING_EXTRA_LOGGERS": "tasks,infra,flows", "PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW": "ignore"}
 
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", str(EPHEMERAL_SERVER_STARTUP_SECONDS))
+for _name, _value in TANDEM_PREFECT_LOGGING.items():
+    os.environ.setdefault(_name, _value)

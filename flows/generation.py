@@ -26,6 +26,7 @@ engines (`worker_state_released`): the workers of a cluster at dask.address outl
 
 from __future__ import annotations
 
+import contextvars
 import json
 import logging
 import os
@@ -270,7 +271,9 @@ class InFlightReport:
         self.published: Counter | None = None
         self._lock = threading.Lock()  # a refresh never overwrites a newer count with an older one
         self._stop = threading.Event()
-        self._refresher = threading.Thread(target=self._refresh, name=f"tandem-in-flight-{producer}", daemon=True)
+        self._refresher = threading.Thread(  # in the flow run's context, for its warnings' sake (flows/__init__.py)
+            target=contextvars.copy_context().run, args=(self._refresh,), name=f"tandem-in-flight-{producer}", daemon=True
+        )
 
     def __enter__(self) -> InFlightReport:
         self._refresher.start()

@@ -33,6 +33,7 @@ run is no longer held by that claim.
 
 from __future__ import annotations
 
+import contextvars
 import json
 import logging
 import os
@@ -95,7 +96,8 @@ def hold_run(store: RunStore, holder: str) -> Iterator[str]:
             except Exception as err:  # storage trouble: the next renewal tries again, well within the lease
                 log.warning("could not renew the lease of %s: %r", store.url, err)
 
-    renewer = threading.Thread(target=renew, name="tandem-run-lease", daemon=True)
+    # In the caller's context: its warnings then reach the flow run's logs in the UI (flows/__init__.py).
+    renewer = threading.Thread(target=contextvars.copy_context().run, args=(renew,), name="tandem-run-lease", daemon=True)
     renewer.start()
     try:
         yield claim

@@ -137,6 +137,47 @@ def test_of_two_engines_started_on_one_port_one_serves_and_the_other_fails(tmp_p
                 engine.wait(timeout=30)
 
 
+TANDEM_WARNING_IN_A_RUN = """
+import flows
+import logging
+import uuid
+from prefect import flow
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+from prefect.context import get_run_context
+from prefect.testing.utilities import prefect_test_harness
+
+@flow
+def probe() -> str:
+    logging.getLogger("tasks.probe").warning("quarantined a shard")
+    return str(get_run_context().flow_run.id)
+
+with prefect_test_harness():
+    logging.getLogger("infra.probe").warning("outside any run")
+    run_id = probe()
+    with get_client(sync_client=True) as client:
+        for _ in range(50):
+            logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[uuid.UUID(run_id)])))
+            if any("quarantined a shard" in log.message for log in logs):
+                print("in the run's logs")
+                break
+            __import__("time").sleep(0.2)
+"""
+
+
+@pytest.mark.slow
+def test_tandems_own_warnings_reach_the_runs_logs_in_the_ui():
+    """tandem logs through its modules' loggers (an engine restarted, a shard quarantined,
+    storage retrying), which Prefect sent to the terminal only: someone watching the run in the
+    UI never saw why it slowed down or stopped. A record outside any run is not sent, and Prefect
+    does not warn about it."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_LOGGING_")}
+    done = subprocess.run([sys.executable, "-c", TANDEM_WARNING_IN_A_RUN], cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "in the run's logs" in done.stdout
+    assert "outside any run" in done.stderr and "without a flow run id" not in done.stderr
+
+
 PREFECT_SETTINGS_SEEN = """
 import flows
 from prefect.settings import get_current_settings

@@ -14,6 +14,7 @@ from prefect.flows import load_flow_from_entrypoint
 from prefect.utilities.callables import parameter_schema
 from prefect.utilities.schema_tools import ValidationError, validate
 
+from flows import TANDEM_PREFECT_LOGGING
 from flows.scaling import scale_variable
 from flows.supervisor import API_OUTAGE_SECONDS
 from configs.schema import RunConfig
@@ -133,6 +134,14 @@ def test_every_run_sends_the_heartbeats_the_unresponsive_run_automation_expects(
     assert UNRESPONSIVE_SECONDS >= API_OUTAGE_SECONDS + 2 * HEARTBEAT_SECONDS, (
         "a run that rides out an outage is not crashed after it, though its last heartbeat came a heartbeat before it"
     )
+
+
+def test_every_deployed_run_sends_tandems_own_warnings_to_the_ui():
+    """A deployed run's process imports Prefect before tandem's flows package sets its logging
+    defaults: the job's environment has to carry them."""
+    for deployment in SPEC["deployments"]:
+        env = deployment["work_pool"]["job_variables"]["env"]
+        assert TANDEM_PREFECT_LOGGING.items() <= env.items(), deployment["entrypoint"]
 
 
 def test_every_run_is_tagged_for_the_unresponsive_run_automation():
