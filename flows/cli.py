@@ -126,23 +126,15 @@ def prefect_server_reached(api_url: str) -> Iterator[None]:
 
 def require_child_deployments(name: str) -> None:
     """Exit unless the server at PREFECT_API_URL has the deployments a deployed run starts its
-    children from. Without them the pipeline warm-started and evaluated v0, and then failed on its
-    first child with a traceback; without PREFECT_API_URL it did so on a temporary server of its
-    own, which no worker polls."""
-    from prefect import get_client
-    from prefect.exceptions import ObjectNotFound
+    children from (infra/deployments.py); without PREFECT_API_URL, a deployed run would start
+    them on a temporary server of its own, which no worker polls."""
+    from infra.deployments import require_child_deployments as check
 
-    api_url = prefect_server_url()
-    missing = []
-    with prefect_server_reached(api_url), get_client(sync_client=True) as client:
-        for deployment in (f"training/{name}", f"generation/{name}"):
-            try:
-                client.read_deployment_by_name(deployment)
-            except ObjectNotFound:
-                missing.append(deployment)
-    if missing:
-        fail(f"prefect.mode is deployed, and the Prefect server at {api_url} has no deployment {' or '.join(missing)}: "
-             "run `tandem deploy` from the project directory first (or set prefect.deployment to yours)")  # fmt: skip
+    with prefect_server_reached(prefect_server_url()):
+        try:
+            check(name)
+        except ConfigError as err:
+            fail(str(err))
 
 
 @app.command("init")

@@ -46,6 +46,7 @@ from flows.scaling import clear_scale_request, initial_generation_runs, tag_for_
 from flows.supervisor import Supervisor
 from flows.training import training
 from flows.ui import publish_summary
+from infra.deployments import require_child_deployments
 from infra.prefect_server import stop_temporary_server
 from infra.storage import RunStore, open_run_store
 from tasks.checkpoints import latest_checkpoint_step
@@ -129,6 +130,8 @@ def pipeline(config: RunConfig | None = None, run_id: RunId | None = None) -> di
     share_prefect_api_with_workers()
     if config.prefect.mode == "local":
         quiet_task_run_logs()
+    if config.prefect.mode == "deployed":
+        require_child_deployments(config.prefect.deployment)  # before v0 is written and evaluated
     store = open_run_store(config.storage, config.run_id)
     check_run_inputs(config, store)  # a typo is refused before the lease: the run directory stays as it was
     with hold_run(store, f"{flow_run.get_name()} ({flow_run.get_id()})") as claim:  # RunInUse: another pipeline has it

@@ -37,6 +37,8 @@ from prefect.events.schemas.automations import EventTrigger, Posture
 from prefect.events.schemas.events import ResourceSpecification
 from prefect.exceptions import ObjectNotFound
 
+from configs import ConfigError
+
 DEPLOY_TIMEOUT_S = 300
 HEARTBEAT_SECONDS = 30
 """What prefect.yaml sets PREFECT_FLOWS_HEARTBEAT_FREQUENCY to: Prefect's minimum."""
@@ -51,6 +53,26 @@ UNRESPONSIVE_AUTOMATION = "tandem: crash unresponsive runs"
 RUN_TAG = "tandem"
 """The tag prefect.yaml gives every deployment's runs: the automation looks at those only, since
 another flow's heartbeats may come less often than UNRESPONSIVE_SECONDS."""
+
+
+def require_child_deployments(name: str) -> None:
+    """ConfigError unless the Prefect server this process talks to has the deployments a deployed
+    run starts its children from (`training/NAME`, `generation/NAME`). Asked by `tandem run` and
+    by the pipeline flow itself, before it takes the run: started with `prefect deployment run`,
+    it warm-started, wrote v0 and evaluated it, and then failed on its first child with an
+    ObjectNotFound traceback."""
+    missing = []
+    with get_client(sync_client=True) as client:
+        for deployment in (f"training/{name}", f"generation/{name}"):
+            try:
+                client.read_deployment_by_name(deployment)
+            except ObjectNotFound:
+                missing.append(deployment)
+        api_url = client.api_url
+    if missing:
+        raise ConfigError(f"prefect.mode is deployed, and the Prefect server at {api_url} has no deployment "
+                          f"{' or '.join(missing)}: run `tandem deploy` from the project directory first (or set "
+                          "prefect.deployment to yours)")  # fmt: skip
 
 
 def work_pools_of(spec: dict) -> list[str]:

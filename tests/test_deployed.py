@@ -436,6 +436,17 @@ def test_a_partial_config_is_refused_rather_than_run_in_local_mode_on_the_worker
     assert not deployment.children(flow_run_id), "no training or generation run started"
 
 
+def test_a_deployment_run_without_the_child_deployments_fails_before_it_writes_anything(deployment):
+    """`tandem run` checked that they exist; `prefect deployment run` did not, and its run warm-
+    started, wrote and evaluated v0, then failed on its first child with a traceback."""
+    run_id = "absent-children"
+    flow_run_id = deployment.start_pipeline(deployment.config(run_id, "prefect.deployment=absent"))
+    parent = deployment.wait_final(flow_run_id, timeout=300)
+    assert parent.state.is_failed() and "has no deployment training/absent or generation/absent" in parent.state.message, parent.state
+    assert not deployment.children(flow_run_id)
+    assert not deployment.store(run_id).list(""), "no run directory written"
+
+
 def test_scaling_a_run_that_is_not_running_is_refused(deployment):
     done = subprocess.run([_bin("tandem"), "scale", "nosuchrun", "--generators", "2"],
                           env=os.environ | deployment.env, capture_output=True, text=True, timeout=120)  # fmt: skip
