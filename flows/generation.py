@@ -54,7 +54,7 @@ from tasks.lag import (
     IN_FLIGHT_TTL_SECONDS, live_producers, publish_in_flight, read_trainer_state, recheck_after_restart, report_late, retire_requested,
     withdraw_in_flight,
 )  # fmt: skip
-from tasks.lease import PipelineWatch
+from tasks.lease import PipelineWatch, check_run_free
 from tasks.metrics import MetricsLog
 from tasks.placement import first_engine_of
 from tasks.envthread import EnvironmentFailed
@@ -148,8 +148,11 @@ def generation(config: RunConfig, producer: str = "gen0", pipeline_claim: str | 
     """Generate rollouts for `config`'s run until its trainer is done, or the pipeline whose lease
     claim is `pipeline_claim` no longer holds the run; returns counts. Its pin goes with it,
     however it ends: a retired or failed generator's version would be kept for good (a restart
-    of the same producer pins again)."""
+    of the same producer pins again). Without `pipeline_claim` (started by hand), RunInUse while
+    a pipeline holds the run: its claims would collide with that pipeline's generator's."""
     store = open_run_store(config.storage, config.run_id)
+    if pipeline_claim is None:  # started by hand: not beside the generators of a pipeline that holds the run
+        check_run_free(store)
     pipeline = PipelineWatch(store, pipeline_claim)
     try:
         with scratch_dir(f"tandem-{producer}-") as cache:

@@ -22,7 +22,7 @@ from flows.ui import TrainingProgress, announce_snapshot, due_for_evaluation
 from infra.storage import RunStore, StorageUnavailable, open_run_store
 from tasks.lag import TrainerState, publish_trainer_state, read_trainer_state, stop_reason
 from tasks.learner import Learner
-from tasks.lease import PipelineWatch
+from tasks.lease import PipelineWatch, check_run_free
 from tasks.metrics import MetricsLog
 from tasks.placement import autocast_dtype, trainer_device
 from tasks.snapshots import load_snapshot, pin_snapshot
@@ -76,8 +76,12 @@ def training(config: RunConfig, pipeline_claim: str | None = None) -> dict:
 
     If it fails, the trainer state is marked done first, so that the run's generators stop
     instead of waiting for a trainer that will not come back; not if another pipeline has taken
-    the run over, whose trainer the state is now."""
+    the run over, whose trainer the state is now. Without `pipeline_claim` (started by hand),
+    RunInUse while a pipeline holds the run: it would publish versions over that pipeline's
+    trainer's, after aborting its uploads."""
     store = open_run_store(config.storage, config.run_id)
+    if pipeline_claim is None:  # started by hand (a deployment's Run button): not beside a pipeline's own trainer
+        check_run_free(store)
     pipeline = PipelineWatch(store, pipeline_claim)
     try:
         with scratch_dir("tandem-trainer-") as cache:

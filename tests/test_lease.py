@@ -247,3 +247,21 @@ def test_a_pipeline_gives_its_children_a_claim_of_its_own(store: RunStore):
         assert read_lease(store)["claim"] == first and PipelineWatch(store, first, interval=0).gone() is None
     with hold_run(store, "p (1)") as retried:  # a retried flow run: the same name, another claim
         assert retried != first and "has taken" in PipelineWatch(store, first, interval=0).gone()
+
+
+def test_a_trainer_or_generator_started_by_hand_is_refused_while_a_pipeline_holds_the_run(tmp_path):
+    """A deployment's Run button starts `training/tandem` or `generation/tandem` with no claim:
+    beside a running pipeline, such a trainer aborted the live trainer's uploads and published
+    over its versions, and such a generator's claims collided with the real one's."""
+    from configs import TINY_CONFIG, load_config
+    from flows.generation import generation
+    from flows.training import training
+    from infra.storage import open_run_store
+
+    config = load_config(TINY_CONFIG, [f"storage.root=file://{tmp_path}/runs", "run_id=held"])
+    store = open_run_store(config.storage, config.run_id)
+    with hold_run(store, "pipeline (1)"):
+        for started_by_hand in (lambda: training.fn(config), lambda: generation.fn(config, "gen0")):
+            with pytest.raises(RunInUse, match="in use by pipeline pipeline \\(1\\)"):
+                started_by_hand()
+    assert not store.list("weights") and not store.list("trainer"), "nothing written"
