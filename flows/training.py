@@ -34,10 +34,12 @@ class GenerationStopped(RuntimeError):
 
 
 def after_storage_outage(task, task_run, state) -> bool:
-    """Whether a failed admission is worth another try: only after storage was unreachable for
-    longer than storage.retry_seconds. The trainer spends most of its time in admission, so an
-    outage most often lands there; and admission is safe to repeat (nothing is consumed before
-    `train_step`, and what it disposed of is in the ledger)."""
+    """Whether a failed admission or step is worth another try: only after storage was
+    unreachable for longer than storage.retry_seconds. The trainer spends most of its time in
+    admission, so an outage most often lands there; and admission is safe to repeat (nothing is
+    consumed before `train_step`, and what it disposed of is in the ledger). A step repeated
+    finishes the one it applied (`Learner.train_step`). Anything else (the pipeline gone, a bug,
+    out of memory) fails the run at once rather than after a pause and the same error again."""
     return isinstance(state.result(raise_on_failure=False), StorageUnavailable)
 
 
@@ -54,7 +56,7 @@ def admit_batch(learner: Learner, pipeline: PipelineWatch) -> dict[str, pa.Table
     return shards
 
 
-@task(cache_policy=NONE, retries=1, retry_delay_seconds=2)
+@task(cache_policy=NONE, retries=1, retry_delay_seconds=2, retry_condition_fn=after_storage_outage)
 def train_step(learner: Learner, shards: dict[str, pa.Table], pipeline: PipelineWatch) -> dict:
     """One optimizer step, then the snapshot, trainer state and checkpoint it is due: unless the
     pipeline gave the run up during the step. A successor pipeline may have withdrawn the

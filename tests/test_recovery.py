@@ -121,6 +121,16 @@ class _AdmittingLearner:
         return {"rollouts/v00000000/gen0-000000.parquet": None}
 
 
+class _SteppingLearner(_AdmittingLearner):
+    """What `train_step` calls of a Learner: its step, failing as told first."""
+
+    def train_step(self, shards, before_publish):
+        self.calls += 1
+        if self.failures:
+            raise self.failures.pop(0)
+        return {"version": 1}
+
+
 class _HeldRun:
     def gone(self, now: bool = False) -> None:
         return None
@@ -148,6 +158,31 @@ def test_admission_is_tried_again_after_a_storage_outage_and_not_after_a_stop():
         with pytest.raises(GenerationStopped):
             admission(stopped)
         assert stopped.calls == 1, "a stop is not retried"
+
+
+def test_a_step_is_tried_again_after_a_storage_outage_and_not_after_any_other_error():
+    """A step whose publish met an outage finishes on its retry; anything else (the pipeline
+    gone, out of memory, a bug) was retried too, two seconds later, to fail the same way."""
+    from prefect import flow
+    from prefect.testing.utilities import prefect_test_harness
+
+    from flows.training import train_step
+    from infra.storage import StorageUnavailable
+
+    step = train_step.with_options(retry_delay_seconds=0)
+
+    @flow(validate_parameters=False)
+    def stepping(learner: _SteppingLearner) -> dict:
+        return step(learner, {}, _HeldRun())
+
+    with prefect_test_harness():
+        outage = _SteppingLearner([StorageUnavailable("down for 30 s")])
+        assert stepping(outage) == {"version": 1} and outage.calls == 2
+        for failure in (GenerationStopped("the pipeline gave the run up"), RuntimeError("CUDA out of memory")):
+            failed = _SteppingLearner([failure])
+            with pytest.raises(type(failure)):
+                stepping(failed)
+            assert failed.calls == 1, f"{failure!r} is not retried"
 
 
 def test_a_retiring_generator_makes_again_a_group_aborted_in_a_chunk_still_in_flight(tmp_path: Path):
