@@ -45,7 +45,7 @@ from prefect.client.schemas.objects import FlowRun, StateType
 from prefect.deployments import run_deployment
 from prefect.exceptions import TerminationSignal
 from prefect.logging import get_run_logger
-from prefect.states import Cancelling
+from prefect.states import Cancelled, Cancelling
 from prefect.variables import Variable
 
 from configs.fields import MAX_GENERATION_RUNS
@@ -153,13 +153,19 @@ class Supervisor:
         """Start a child run. Its idempotency key names this pipeline's claim, the child's role
         and how many of that role it started before: Prefect's client resends a creation whose
         answer it lost (a read timeout, a server restarting), and without the key the server
-        made a second run, two trainers on one run directory."""
+        made a second run, two trainers on one run directory.
+
+        The run is named after the run and its role ("demo-training", "demo-gen1", a restart
+        "demo-gen1-2"), so that the UI's list of runs says which is which, as the logs do."""
         name = f"{flow_name}/{self.config.prefect.deployment}"
         role = parameters.get("producer", flow_name)
         key = f"tandem:{self.claim}:{role}:{self.started[role]}"
-        run = run_deployment(name, parameters=self.parameters | parameters, as_subflow=True, timeout=0, idempotency_key=key)
+        run_name = f"{self.config.run_id}-{role}" + (f"-{self.started[role] + 1}" if self.started[role] else "")
+        run = run_deployment(
+            name, parameters=self.parameters | parameters, as_subflow=True, timeout=0, idempotency_key=key, flow_run_name=run_name
+        )  # fmt: skip
         self.started[role] += 1  # after the run exists: a start that raised is tried again with its key
-        self.log.info("started %s run %s (%s)", flow_name, run.name, run.id)
+        self.log.info("started %s run %s", flow_name, run.name)
         return run
 
     def start_generator(self, producer: str) -> None:
@@ -434,17 +440,22 @@ class Supervisor:
         while time.monotonic() < deadline and not all(self.is_final(r) for r in runs):
             time.sleep(1.0)
         cancelled = [run_id for run_id in runs if not self.is_final(run_id)]
+        names = {run_id: str(run_id) for run_id in cancelled}
         for run_id in cancelled:
-            self.log.warning("cancelling child run %s", run_id)
             try:
-                self.client.set_flow_run_state(run_id, Cancelling(), force=True)
+                run = self.client.read_flow_run(run_id)
+                names[run_id] = run.name
+                self.log.warning("cancelling child run %s (%s)", run.name, run.state.name)
+                # Cancelling asks the run's worker to stop it; a run no worker has picked up has none
+                # to ask, and stayed Cancelling in the UI while the parent waited out cancel_wait.
+                self.client.set_flow_run_state(run_id, Cancelled() if run.state.type == StateType.SCHEDULED else Cancelling(), force=True)
             except Exception as err:
                 if not api_unavailable(err):
                     raise
-                self.log.error("could not cancel child run %s: the Prefect API is unavailable (%r)", run_id, err)
+                self.log.error("could not cancel child run %s: the Prefect API is unavailable (%r)", names[run_id], err)
         deadline = time.monotonic() + cancel_wait
         while cancelled and time.monotonic() < deadline:
             cancelled = [run_id for run_id in cancelled if not self.is_final(run_id)]
             time.sleep(min(1.0, cancel_wait))
         if cancelled:
-            self.log.error("child runs still not cancelled after %.0f s: %s", cancel_wait, cancelled)
+            self.log.error("child runs still not cancelled after %.0f s: %s", cancel_wait, ", ".join(names[r] for r in cancelled))

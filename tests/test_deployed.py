@@ -65,6 +65,7 @@ def test_deployed_run_completes_on_two_pools(deployment, finished):
     children = deployment.children(str(parent.id))
     pools = {name: {r.work_pool_name for _, r in children if _ == name} for name, _ in children}
     assert pools["training"] == {"training"} and pools["generation"] == {"inference"}
+    assert {r.name for name, r in children if name in ("training", "generation")} == {"e2e-training", "e2e-gen0"}
     assert all(r.state.is_completed() for _, r in children), [(n, r.state.name) for n, r in children]
     keys = {r.parameters["config"]["engine"]["api_key"] for name, r in children if name in ("training", "generation")}
     assert keys == {ENGINE_KEY}, "a child runs with its parent's config, the engine key given to the parent included"

@@ -14,6 +14,7 @@ import httpx
 import pytest
 from prefect import flow
 from prefect.runtime import flow_run as prefect_flow_run
+from prefect.client.schemas.objects import StateType
 from prefect.states import Cancelled, Failed, Running, Scheduled
 from prefect.testing.utilities import prefect_test_harness
 from prefect.variables import Variable
@@ -151,17 +152,18 @@ def test_a_restart_the_api_refused_is_not_charged_and_is_tried_again(file_store)
 
 def test_child_starts_carry_a_key_that_a_resent_creation_repeats(monkeypatch):
     """Prefect's client resends a creation whose answer it lost; the server makes one run per key."""
-    keys, failures = [], [httpx.ReadTimeout("lost answer")]
+    keys, names, failures = [], [], [httpx.ReadTimeout("lost answer")]
 
-    def run_deployment(name, parameters, as_subflow, timeout, idempotency_key):
+    def run_deployment(name, parameters, as_subflow, timeout, idempotency_key, flow_run_name):
         keys.append(idempotency_key)
         if failures:
             raise failures.pop()
-        return SimpleNamespace(id=uuid4(), name=name, state=Running())
+        names.append(flow_run_name)
+        return SimpleNamespace(id=uuid4(), name=flow_run_name, state=Running())
 
     monkeypatch.setattr(supervisor, "run_deployment", run_deployment)
     parent = Supervisor.__new__(Supervisor)
-    parent.config, parent.log, parent.parameters = RunConfig(), logging.getLogger("test"), {}
+    parent.config, parent.log, parent.parameters = RunConfig(run_id="demo"), logging.getLogger("test"), {}
     parent.claim, parent.started = "c1", Counter()
     with pytest.raises(httpx.ReadTimeout):
         parent.start("training")
@@ -170,6 +172,20 @@ def test_child_starts_carry_a_key_that_a_resent_creation_repeats(monkeypatch):
     parent.start("generation", producer="gen0")
     parent.start("training")
     assert keys == ["tandem:c1:training:0", "tandem:c1:training:0", "tandem:c1:gen0:0", "tandem:c1:gen0:1", "tandem:c1:training:1"]
+    assert names == ["demo-training", "demo-gen0", "demo-gen0-2", "demo-training-2"], "the UI's runs say which is which"
+
+
+def test_draining_cancels_a_child_no_worker_picked_up_outright_and_asks_a_running_ones_worker(file_store):
+    """Cancelling is for a worker to act on: a run still Scheduled stayed Cancelling in the UI with
+    no worker polling its pool, and the parent waited out its cancel wait for it."""
+    parent = parent_of(file_store, max_lag=1, restarts=1)
+    parent.training = None
+    child(parent, "gen0", Scheduled())
+    child(parent, "gen1", Running())
+    asked = {}
+    parent.client.set_flow_run_state = lambda run_id, state, force=False: asked.update({run_id: state.type})
+    parent.drain(seconds=0, cancel_wait=0)
+    assert asked == {parent.generators["gen0"]: StateType.CANCELLED, parent.generators["gen1"]: StateType.CANCELLING}
 
 
 def test_a_parent_being_cancelled_waits_for_its_children_less_than_its_worker_gives_it(file_store, monkeypatch):
