@@ -221,7 +221,12 @@ class PipelineWatch:
 
     def gone(self, now: bool = False) -> str | None:
         """Why the pipeline is gone; None while it holds the run. `now`: read the lease even if it
-        was read less than `interval` ago."""
+        was read less than `interval` ago; once gone, read it again if no successor is known yet,
+        for a pipeline that took the run over since: its own pipeline, whose renewals had stopped,
+        otherwise asked its children to stop through the run directory, and stopped the
+        successor's trainer."""
+        if self.claim is not None and self.reason is not None and now and self.successor is None:
+            self._look_for_successor()
         if self.claim is None or self.reason is not None or (not now and time.monotonic() - self.checked_at < self.interval):
             return self.reason
         self.checked_at = time.monotonic()
@@ -243,6 +248,16 @@ class PipelineWatch:
         elif self.checked_at - self.renewal_seen > STALE_SECONDS:
             self.reason = f"pipeline {lease['holder']} has not renewed its lease of {self.store.url} for {self.checked_at - self.renewal_seen:.0f} s"
         return self.reason
+
+    def _look_for_successor(self) -> None:
+        try:
+            lease = read_lease(self.store)
+        except Exception as err:
+            log.warning("could not read the lease of %s: %r", self.store.url, err)
+            return
+        if lease is not None and lease.get("claim") != self.claim:
+            self.successor = lease["holder"]
+            self.reason = f"pipeline {lease['holder']} has taken {self.store.url} over"
 
 
 def _alive(lease: dict) -> bool:

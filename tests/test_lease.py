@@ -216,6 +216,21 @@ def test_a_child_sees_its_pipeline_go(store: RunStore, monkeypatch):
         assert said in watch.gone(), f"{case}: a pipeline gone stays gone"
 
 
+def test_a_pipeline_gone_is_looked_at_again_for_a_successor_when_asked_now(store: RunStore, monkeypatch):
+    """A pipeline whose renewals stopped (storage writes failing, reads not) saw itself gone, no
+    successor known; another pipeline then took the run over. Its stop of the children, trusting
+    the answer it had, wrote a stop request into the successor's run and stopped its trainer."""
+    monkeypatch.setattr(lease, "STALE_SECONDS", 0.5)
+    _write_lease(store, holder="p (1)", claim="c1")
+    watch = PipelineWatch(store, "c1", interval=0)
+    assert watch.gone() is None
+    time.sleep(0.7)
+    assert "has not renewed" in watch.gone() and watch.successor is None
+    _write_lease(store, holder="q (2)", claim="c2")
+    assert "has not renewed" in watch.gone(), "not read again unless asked now"
+    assert "pipeline q (2) has taken" in watch.gone(now=True) and watch.successor == "q (2)"
+
+
 def test_a_failed_read_of_the_lease_does_not_count_towards_its_staleness(store: RunStore, monkeypatch):
     """A renewer held up by a slow store renews late; the child must not take that for death."""
     monkeypatch.setattr(lease, "STALE_SECONDS", 1.0)
