@@ -25,7 +25,8 @@ from tasks.learner import Learner
 from tasks.lease import PipelineWatch, check_run_free
 from tasks.metrics import MetricsLog
 from tasks.placement import autocast_dtype, trainer_device
-from tasks.snapshots import load_snapshot, pin_snapshot
+from tasks.checkpoints import CHECKPOINTS
+from tasks.snapshots import WEIGHTS, load_snapshot, pin_snapshot
 
 
 class GenerationStopped(RuntimeError):
@@ -96,7 +97,7 @@ def training(config: RunConfig, pipeline_claim: str | None = None) -> dict:
 
 
 def _train(config: RunConfig, store: RunStore, cache: Path, pipeline: PipelineWatch) -> dict:
-    if aborted := store.clear_staging():  # what a killed trainer left half-written
+    if aborted := store.clear_staging(owned=(WEIGHTS, CHECKPOINTS)):  # what a killed trainer left half-written
         print(f"aborted {len(aborted)} upload(s) a killed trainer left unfinished: {', '.join(aborted)}")
     initial = load_snapshot(store, cache / "weights", version=0)
     device = trainer_device(config)

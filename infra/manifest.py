@@ -212,7 +212,8 @@ def _fetch_committed(
     free = shutil.disk_usage(local_dir.parent).free
     if needed > free:  # the machine's trouble, not the snapshot's: not a ManifestError, which rejects the snapshot
         raise OSError(errno.ENOSPC, f"no space for {prefix}: it needs {needed} bytes, {free} are free at {local_dir.parent} "
-                      "(a generator keeps its engines' snapshot there until the next one has loaded: leave room for two)")
+                      "(free space there, or point TMPDIR at a larger disk; a generator needs room for two snapshots, "
+                      "as it keeps its engines' until the next one has loaded)")
     staging = local_dir.with_name(f".{local_dir.name}.{uuid.uuid4().hex}.partial")
     try:
         staging.mkdir()

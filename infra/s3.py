@@ -2,6 +2,7 @@
 
 - `s3_filesystem`: the s3fs filesystem a store talks through, configured so that readers see new
   objects at once and the store's own retry loop is the only one.
+- `abort_incomplete_uploads`: the multipart uploads a killed writer left, which no listing shows.
 - `rejection_reason`, `is_precondition_failure`: how an error from s3fs or botocore is read. The
   store retries what a later attempt can get past (timeouts, connection errors, throttling, 408,
   429, 5xx) and fails at once on what it cannot: any other 4xx answer, an OSError EINVAL, a
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import errno
 import os
+from collections.abc import Callable
 
 import fsspec
 from botocore.exceptions import ClientError, NoCredentialsError, ParamValidationError, PartialCredentialsError
@@ -34,6 +36,24 @@ TRANSIENT_ERROR_CODES = frozenset({
 """S3 error codes that a later attempt can get past, whatever HTTP status carried them (the last
 three: a body damaged or cut off on its way, answered with a 400)."""
 TRANSIENT_4XX = (408, 429)
+
+
+def abort_incomplete_uploads(call_s3: Callable[..., dict], bucket: str, prefix: str) -> list[str]:
+    """Abort the multipart uploads under `prefix` of `bucket` that never completed; returns their
+    object keys. `call_s3(operation, **params)` sends each request (the store's, with its retries).
+    An upload that completes or goes between the listing and its abort is left."""
+    aborted, markers = [], {}
+    while True:
+        answer = call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix, **markers)
+        for upload in answer.get("Uploads", []):
+            try:
+                call_s3("abort_multipart_upload", Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])
+            except FileNotFoundError:  # NoSuchUpload: completed or aborted meanwhile
+                continue
+            aborted.append(upload["Key"])
+        if not answer.get("IsTruncated"):
+            return aborted
+        markers = {"KeyMarker": answer.get("NextKeyMarker", ""), "UploadIdMarker": answer.get("NextUploadIdMarker", "")}
 
 
 def _client_error_of(err: BaseException) -> ClientError | None:

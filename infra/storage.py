@@ -47,13 +47,14 @@ from __future__ import annotations
 
 import contextvars
 import errno
+import functools
 import logging
 import os
 import shutil
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from http.client import IncompleteRead
 from pathlib import Path
 from typing import TypeVar
@@ -63,7 +64,7 @@ import fsspec
 from botocore.exceptions import BotoCoreError, ClientError
 
 from configs.schema import StorageConfig
-from infra.s3 import is_missing_bucket, is_precondition_failure, rejection_reason, s3_filesystem
+from infra.s3 import abort_incomplete_uploads, is_missing_bucket, is_precondition_failure, rejection_reason, s3_filesystem
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -274,12 +275,14 @@ class RunStore:
         path.mkdir(parents=True, exist_ok=True)
         return path
 
-    def clear_staging(self) -> list[str]:
+    def clear_staging(self, owned: Sequence[str]) -> list[str]:
         """Remove what a killed writer left half-written (the trainer calls it as it starts: it
         is the run's one writer of snapshots and checkpoints, its only large files): on file://
-        `staging_dir`; on S3 the run's multipart uploads that never completed, whose parts no
-        listing shows and the bucket keeps, and bills, until they are aborted (a trainer killed
-        mid-publish left a snapshot's worth each time). Returns the keys of the uploads aborted.
+        `staging_dir`; on S3 the multipart uploads under the prefixes `owned` that never
+        completed, whose parts no listing shows and the bucket keeps, and bills, until they are
+        aborted (a trainer killed mid-publish left a snapshot's worth each time). Only the
+        caller's own prefixes: a live generator's upload elsewhere in the run (a metrics log past
+        s3fs's multipart size) would fail on its aborted upload. Returns the keys aborted.
         A store that refuses (credentials without s3:ListBucketMultipartUploads or
         s3:AbortMultipartUpload, a store without the calls) gets a warning, not a trainer that
         cannot start; an upload that completes or goes between the listing and its abort is left."""
@@ -288,19 +291,12 @@ class RunStore:
         if self.protocol != "s3":
             return []
         bucket, _, base = self.base.partition("/")
-        aborted, markers = [], {}
+        aborted: list[str] = []
         try:
-            while True:
-                answer = self._retry(self.fs.call_s3, "list_multipart_uploads", Bucket=bucket, Prefix=f"{base}/", **markers)
-                for upload in answer.get("Uploads", []):
-                    try:
-                        self._retry(self.fs.call_s3, "abort_multipart_upload", Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])
-                    except FileNotFoundError:  # NoSuchUpload: completed or aborted meanwhile
-                        continue
-                    aborted.append(self._key_of(f"{bucket}/{upload['Key']}"))
-                if not answer.get("IsTruncated"):
-                    return aborted
-                markers = {"KeyMarker": answer.get("NextKeyMarker", ""), "UploadIdMarker": answer.get("NextUploadIdMarker", "")}
+            for prefix in owned:
+                keys = abort_incomplete_uploads(functools.partial(self._retry, self.fs.call_s3), bucket, f"{base}/{prefix}/")
+                aborted += [self._key_of(f"{bucket}/{key}") for key in keys]
+            return aborted
         except (OSError, StorageUnavailable) as err:  # StorageRejected is an OSError
             log.warning("could not abort the incomplete uploads under %s (their parts stay billed: a lifecycle rule "
                         "AbortIncompleteMultipartUpload removes them): %s", self.url, err)  # fmt: skip

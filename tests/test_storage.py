@@ -126,7 +126,7 @@ def test_a_taken_staging_file_is_linked_and_a_kept_file_copied(file_store: RunSt
     assert os.path.samefile(taken, file_store.path("weights/v1/model.safetensors"))
     kept.write_bytes(b"changed by the user")
     assert file_store.read_bytes("weights/v0/model.safetensors") == b"user bytes"
-    file_store.clear_staging()
+    file_store.clear_staging(owned=())
     assert not staging.exists() and file_store.read_bytes("weights/v1/model.safetensors") == b"snapshot bytes"
 
 
@@ -160,11 +160,13 @@ def test_the_multipart_uploads_a_killed_trainer_left_are_aborted_as_the_next_one
 
     start_upload(store, "weights/v00000003/model.safetensors")
     start_upload(store, "checkpoints/step-00000002/optimizer.pt")
+    start_upload(store, "metrics/generator-gen0.jsonl")  # a live generator's: not the trainer's to abort
     start_upload(other, "weights/v00000001/model.safetensors")
     assert store.list_recursive("") == [], "the parts are in no listing"
-    assert sorted(store.clear_staging()) == ["checkpoints/step-00000002/optimizer.pt", "weights/v00000003/model.safetensors"]
-    assert pending(store) == [] and len(pending(other)) == 1
-    assert store.clear_staging() == []
+    owned = ("weights", "checkpoints")
+    assert sorted(store.clear_staging(owned)) == ["checkpoints/step-00000002/optimizer.pt", "weights/v00000003/model.safetensors"]
+    assert pending(store) == [store.path("metrics/generator-gen0.jsonl").partition("/")[2]] and len(pending(other)) == 1
+    assert store.clear_staging(owned) == []
 
 @pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="needs a second filesystem (tmpfs at /dev/shm)")
 def test_a_taken_file_on_another_filesystem_is_copied(file_store: RunStore):
