@@ -8,7 +8,7 @@ inference worker's process group and the generation run's process, as a lost mac
 them: nothing reports the run's end, so Prefect holds it Running. A new inference worker is
 started (the machine that replaces it). It prints when the generation run was marked Crashed (by
 the automation `tandem deploy` adds, infra/deployments.py, here with `--unresponsive-seconds`
-as its limit: 90 by default, where the deployed default is 600), when the pipeline finished, its
+as its limit: 90 by default, where the deployed default is 660), when the pipeline finished, its
 children's states, and whether the run's accounting identity held.
 
 Every process it starts is stopped at the end, by process group id, never by name.

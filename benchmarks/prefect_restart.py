@@ -1,6 +1,6 @@
 """Fault: in deployed mode, the Prefect server restarts mid-run (same database).
 
-    python benchmarks/prefect_restart.py [--seed N] [--steps N]
+    python benchmarks/prefect_restart.py [--seed N] [--steps N] [--down-seconds S] [--work-dir DIR]
 
 `run_with_prefect_restart` starts a Prefect server of its own (PREFECT_HOME under `work_dir`),
 deploys tandem and starts a worker per pool (infra/deployed_harness.py), starts a deployed

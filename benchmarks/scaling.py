@@ -25,6 +25,7 @@ what G1/N stands for in the ideal. Async runs skip max_lag + 1 warm-up steps (at
 
 Usage: python benchmarks/scaling.py [--quick] [--out FILE] [--plot FILE] [--g1 S --t S --s S]
        [--engines 1,2,3,4] [--lags 0,1,2] [--steps K] [--warmup K] [--time-scale F] [--set FIELD=VALUE]
+       [--runs-dir DIR]
 """
 
 from __future__ import annotations
@@ -333,7 +334,7 @@ def plot(results: list[dict], path: Path) -> None:
 def main_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true",
-                        help="N = 1 and 3, max_lag 0 and 2, the seed's profile at half its times, 4 steps.")  # fmt: skip
+                        help="N = 1 and 3, max_lag 0 and 2, the seed's profile at half its times, 4 steps (1 warm-up, 3 measured).")  # fmt: skip
     parser.add_argument("--out", type=Path, help="Write every measurement as JSON here.")
     parser.add_argument("--plot", type=Path, default=Path("scaling.png"), help="PNG of step time against engines.")
     parser.add_argument("--engines", default="1,2,3,4", help="Engine counts to run (comma-separated).")

@@ -106,7 +106,7 @@ class EngineConfig(Section):
     api_key: Credential = None
     """Bearer token every engine request must carry (SGLang's --api-key); null disables it."""
     max_batch_size: int = Field(32, ge=1, le=1024)
-    """Most sequences the CPU engine decodes in one batch."""
+    """Most sequences the CPU (or simulated) engine decodes in one batch."""
     request_timeout_s: float = Field(1800.0, gt=0, le=86400)
     """Client-side limit of one /generate call, from sending to the answer, the wait in the
     engine's queue and any pause for a weight load included: past it the engine is taken out of

@@ -4,7 +4,7 @@ Commands: `run CONFIG` (train end to end; configs/tiny.yaml is the embedded defa
 with its config and the initial weight snapshot), `eval` (score a snapshot), `deploy` (work
 pools and deployments on a Prefect server), `scale` (generation runs of a deployed run),
 `config show|schema` (inspect a run configuration), `storage up` (a local S3 server on
-loopback) and `engine serve` (tandem's CPU engine).
+loopback) and `engine serve` (tandem's CPU engine, or its simulated one).
 Every command validates its config before it touches anything, so a bad config exits 2 having
 written nothing; `run` and `init` also check, before writing, that the environment loads and takes
 its kwargs and that model.path is a model. `deploy` and `scale` need PREFECT_API_URL and a server

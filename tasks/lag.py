@@ -12,7 +12,7 @@ in the step that produces V+1 has lag V - v. Two mechanisms keep every trained g
   waits for newer weights instead of starting it. Every started group holds one *slot*, a
   numbered claim in the run directory created with put-if-absent, so concurrent generators on
   different machines never count one slot twice and a generator that joins late reads the count
-  from storage. Slot keys are grouped by the batch they fall in (`lag/slots/b{b:08d}/s{s:08d}`),
+  from storage. Slot keys are grouped by the batch they fall in (`lag/slots/b{b:08d}/s{s:08d}.json`),
   so finding the next free slot lists one batch directory, not the whole run's history.
 - **The hard filter** (trainer, when it admits a batch). A group whose lag would exceed max_lag is
   dropped and counted, never trained. Admission makes drops rare; this makes them impossible.

@@ -3,7 +3,7 @@
 `EngineClient` sends each /generate to the healthy engine with the fewest outstanding requests:
 with long-tailed agentic episodes, round-robin piles requests behind one slow engine, while
 least-outstanding keeps every engine's batch equally full. A request that fails on a connection
-error, timeout or 5xx marks its engine unhealthy (out of rotation) and is retried on another one
+error, timeout or a 500, 502, 503 or 504 marks its engine unhealthy (out of rotation) and is retried on another one
 with backoff; a background probe of /health brings the engine back when it answers again. A 4xx
 is the caller's mistake and is raised at once, never retried. A request retries for
 `retry_seconds` of backoff, and for at most `retry_seconds + request_timeout` of wall time from

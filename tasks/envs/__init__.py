@@ -1,9 +1,9 @@
 """Environments: the tasks an agent is trained on, as text-in, text-out episodes.
 
-- base.py: the contract (`Environment`, one instance per episode, with `prompts`, `reset`, `step`
-  and `demonstration`; `Prompt`, `StepResult`, `Segment`), the hash-based train/eval split, the
-  entrypoint loader (`load_environment`, and `environment_factory` over it) and prompt files from storage (`load_prompts`,
-  `split_prompts`).
+- base.py: the contract (`Environment`, one instance per episode, with `prompts`, `reset`, `step`,
+  `truncate` and `demonstration`; `Prompt`, `StepResult`, `Segment`), the hash-based train/eval
+  split, the entrypoint loader (`load_environment`, and `environment_factory` over it) and prompt
+  files from storage (`load_prompts`, `split_prompts`).
 - arithmetic.py: `AdditionEnv`, single-turn addition with an exact-match or partial-credit reward.
 - calculator.py: `CalculatorEnv`, a two-turn tool task: call "CALC a op b", read "RESULT ...",
   then "ANSWER ...".
