@@ -282,9 +282,10 @@ def withdraw_retire(store: RunStore, producer: str) -> None:
 
 def reopen_run(store: RunStore, checkpoint: int) -> list[int]:
     """Before a run (re)starts, while none of its generators and no trainer runs: forget an
-    earlier attempt's stop request, and the done mark of a trainer that failed or reached an
-    earlier step target (a continued run trains on), so that the generators it starts do not stop
-    at once; and withdraw the snapshots published after the newest checkpoint (`checkpoint`, 0
+    earlier attempt's stop request, its retire requests (a scale-down, a cancelled generator:
+    a continued run's generator of that name left as soon as it had booted), and the done mark of
+    a trainer that failed or reached an earlier step target (a continued run trains on), so that
+    the generators it starts do not stop at once; and withdraw the snapshots published after the newest checkpoint (`checkpoint`, 0
     if none), which the trainer about to resume from it will publish again with other weights
     (tasks/snapshots.py `withdraw_after`). LATEST goes back to the newest snapshot kept up to the
     checkpoint, the trainer state to the checkpoint's version; returns the versions withdrawn.
@@ -292,6 +293,7 @@ def reopen_run(store: RunStore, checkpoint: int) -> list[int]:
     Here rather than in the trainer: the generators start beside the trainer, and would boot on
     the withdrawn weights and keep them once the trainer had published their number again."""
     store.delete(STOP_KEY)
+    store.delete_prefix(RETIRE_PREFIX)
     kept = [version for version in snapshot_versions(store) if version <= checkpoint]
     withdrawn = withdraw_after(store, kept[-1]) if kept else []
     state = read_trainer_state(store)

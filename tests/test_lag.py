@@ -308,13 +308,19 @@ def test_retire_request_is_per_producer_and_can_be_withdrawn(file_store):
     withdraw_retire(file_store, "gen1")  # withdrawing twice is harmless (a scale-up of a new id)
 
 
-def test_reopening_a_run_clears_the_stop_request_and_the_done_mark(file_store):
-    from tasks.lag import TrainerState, publish_trainer_state, read_trainer_state, reopen_run, request_stop, stop_reason
+def test_reopening_a_run_clears_the_stop_request_the_retire_requests_and_the_done_mark(file_store):
+    """A retire request of a scale-down or a cancelled generator stayed: a continued run's
+    generator of that name boots, sees it, and leaves."""
+    from tasks.lag import (
+        TrainerState, publish_trainer_state, read_trainer_state, reopen_run, request_retire, request_stop, retire_requested,
+        stop_reason,
+    )  # fmt: skip
 
     publish_trainer_state(file_store, TrainerState(version=6, lost_groups=2, done=True))
     request_stop(file_store, "generation gen0 failed")
+    request_retire(file_store, "gen1")
     assert reopen_run(file_store, 6) == [], "no snapshot after the checkpoint: none withdrawn"
-    assert stop_reason(file_store) is None
+    assert stop_reason(file_store) is None and not retire_requested(file_store, "gen1")
     assert read_trainer_state(file_store) == TrainerState(version=6, lost_groups=2, done=False)
 
 
