@@ -326,7 +326,8 @@ class AutoscaleConfig(Section):
     target_trainer_idle: float = Field(0.2, gt=0, lt=1)
     """Add a generation run while the trainer's idle fraction (last 10 steps) stays above this."""
     max_generator_wait: float = Field(0.3, gt=0, lt=1)
-    """Retire a generation run while the generators wait on the lag bound more than this fraction."""
+    """Retire a generation run while the generators wait on the lag bound more than this fraction,
+    if the rest would still wait that much doing its work."""
     cooldown_seconds: float = Field(30.0, ge=0, le=86400)
     """Least time between two changes, so that the last one shows in the measurements first."""
 

@@ -7,7 +7,10 @@ both read from the run's metrics files, so the decision needs nothing but the ru
   `target_trainer_idle`, the trainer waits for data, so generation is the bottleneck: add one;
 - the generators' admission wait (their `load` records: the share of time a generator had
   nothing it was allowed to start): above `max_generator_wait`, generators are held back by the
-  lag bound, so one fewer loses nothing: retire one.
+  lag bound: retire one, if the others could do its work and still wait that much. N generators
+  busy (1 - wait) of the time do N x (1 - wait) generators' work; retired on the wait alone, a
+  run that needs 1.3 generators' work went 2 -> 1 (each of two waits 35%) and 1 -> 2 (one
+  cannot keep the trainer fed) for good, an engine's boot each cycle.
 
 One step at a time, and no change within `cooldown_seconds` of the last, so that each change
 shows in the measurements before the next is decided. Adding wins when both signals fire: a
@@ -63,5 +66,6 @@ def autoscale_target(current: int, trainer_idle: float | None, generator_wait: f
     if trainer_idle is not None and trainer_idle > policy.target_trainer_idle:
         return min(current + 1, policy.max)
     if trainer_idle is not None and generator_wait is not None and generator_wait > policy.max_generator_wait:
-        return max(current - 1, policy.min)
+        if current * (1 - generator_wait) <= (current - 1) * (1 - policy.max_generator_wait):
+            return max(current - 1, policy.min)
     return current

@@ -48,6 +48,15 @@ def test_generators_held_back_by_the_lag_bound_lose_one_down_to_min():
     assert autoscale_target(1, trainer_idle=0.05, generator_wait=0.6, policy=POLICY) == 1
 
 
+def test_a_generator_is_retired_only_if_the_others_could_do_its_work_and_still_wait():
+    """A run that needs 1.3 generators' work: two wait 35% each, past max_generator_wait (0.3),
+    but one alone cannot feed the trainer, which then waits and gets its second back: a boot each
+    cycle, for good, before the retire asked whether the rest could carry the load."""
+    assert autoscale_target(2, trainer_idle=0.05, generator_wait=0.35, policy=POLICY) == 2
+    assert autoscale_target(2, trainer_idle=0.05, generator_wait=0.65, policy=POLICY) == 1, "0.7 generators' work: one does it"
+    assert autoscale_target(1, trainer_idle=0.3, generator_wait=None, policy=POLICY) == 2, "and the way back"
+
+
 def test_no_generator_is_retired_before_the_trainer_s_idle_fraction_is_measured_again():
     """A step of 100 s, max_lag 0: the trainer idles 60% while generators wait 40% of each 10 s
     window. Retiring on the generators' wait alone while the trainer's signal was still unknown
