@@ -316,10 +316,11 @@ class Supervisor:
         give-up the target counts one that is gone), is restarted as a crashed one is: without it
         the trainer would wait, or autoscale's bound break; the run itself stops by cancelling the
         pipeline. With no restarts left that is a give-up, which stops the run if none is left."""
+        request_retire(self.store, producer)  # storage first: an outage raised here leaves it to the next watch
+        unfinished = self.unfinished_claims(producer)
         del self.generators[producer]
         self.set_target(self.target - 1, f"generation {producer} was cancelled")
-        request_retire(self.store, producer)
-        if unfinished := self.unfinished_claims(producer):
+        if unfinished:
             self.log.warning("generation %s was cancelled with %d claimed groups unfinished: it comes back to finish them, "
                              "then leaves", producer, len(unfinished))  # fmt: skip
             self.retiring[producer] = run_id  # should the start fail, the retiring watch starts it (and charges it)
@@ -400,6 +401,10 @@ class Supervisor:
             if not state.is_final():
                 continue
             if state.is_completed():
+                # Slots it gave up on, aborted again and again (tasks/generator.py), hold capacity:
+                # no run of its id comes back for them, so they count as a given-up run's do.
+                if (unfinished := self.unfinished_claims(producer)) and (reason := self.abandon_claims(producer)):
+                    request_stop(self.store, f"retiring generation {producer} left {len(unfinished)} claimed groups: {reason}")
                 del self.retiring[producer]
                 continue
             if _marked_unresponsive(state) and producer in live_producers(self.store):

@@ -15,7 +15,7 @@ import pytest
 from prefect import flow
 from prefect.runtime import flow_run as prefect_flow_run
 from prefect.client.schemas.objects import StateType
-from prefect.states import Cancelled, Failed, Running, Scheduled
+from prefect.states import Cancelled, Completed, Failed, Running, Scheduled
 from prefect.testing.utilities import prefect_test_harness
 from prefect.variables import Variable
 
@@ -86,6 +86,35 @@ def test_giving_up_on_a_generator_stops_the_run_once_its_claims_exceed_what_the_
     assert (reason is not None) == stops
     if stops:
         assert "gen1" in reason and f"{claimed} groups" in reason and "prefect.generation_restarts" in reason
+
+
+def test_scaling_down_retires_the_highest_id_and_scaling_up_skips_a_retiring_one(file_store):
+    parent = parent_of(file_store, max_lag=1, restarts=1)
+    child(parent, "gen0", Running())
+    child(parent, "gen1", Running())
+    retiring = parent.generators["gen1"]
+    parent.scale_to(1)
+    assert list(parent.generators) == ["gen0"] and parent.retiring == {"gen1": retiring}
+    assert retire_requested(file_store, "gen1") and not retire_requested(file_store, "gen0")
+    parent.scale_to(2)
+    assert parent.started == ["gen2"], "gen1's id is still its retiring run's"
+
+
+@pytest.mark.parametrize("claimed, stops", [(0, False), (PER_STEP + 1, True)])
+def test_a_retiring_generator_that_ends_with_claims_left_is_counted_as_given_up(file_store, claimed, stops):
+    """A retiring generator leaves Completed with the slots it gave up on (aborted again and
+    again) still claimed; no run of its id comes back for them, and the parent dropped it without
+    counting them: past what the lag window spares, the trainer waited for good, unexplained."""
+    parent = parent_of(file_store, max_lag=1, restarts=1)
+    child(parent, "gen0", Running())
+    child(parent, "gen1", Completed(), retiring=True)
+    claim_slots(file_store, "gen1", claimed)
+    parent.scale_to(1)
+    assert parent.retiring == {} and parent.abandoned_slots == claimed
+    reason = stop_reason(file_store)
+    assert (reason is not None) == stops
+    if stops:
+        assert f"retiring generation gen1 left {claimed} claimed groups" in reason
 
 
 def test_claims_whose_groups_were_set_aside_are_not_a_given_up_generators_unfinished_work(file_store):
