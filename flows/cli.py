@@ -50,7 +50,8 @@ err_console = Console(stderr=True)
 ConfigFile = Annotated[Path, typer.Argument(help="Run configuration YAML (e.g. configs/tiny.yaml).")]
 Overrides = Annotated[
     list[str] | None,
-    typer.Option("--set", help="Override a field: section.field=value (repeatable)."),
+    typer.Option("--set", help="Override a field: section.field=value, or section.sub.field=value; the value is read as YAML "
+                 "(a number, true, \\[a, b], {k: v}). Repeatable."),
 ]
 
 SECRETS_IN_DEPLOYED_RUNS = (
@@ -146,7 +147,7 @@ def init(
     """Create a run directory: the resolved config.json and the initial weight snapshot v0."""
     resolved = resolve_config(config, overrides, run_id)  # before importing torch: fail fast
     from infra.storage import StorageRejected, StorageUnavailable, open_run_store
-    from tasks.rundir import RunConflict, check_run_writable, initialize_run, pretrained_model_notes
+    from tasks.rundir import RunConflict, check_run_writable, initialize_run, pretrained_model_notes, prompt_vocabulary_notes
     from tasks.snapshots import snapshot_versions
 
     note_all(pretrained_model_notes(resolved))
@@ -158,6 +159,7 @@ def init(
         fail(str(err))
     except (StorageUnavailable, StorageRejected) as err:
         fail(f"storage.root {resolved.storage.root}: {err}", code=1)
+    note_all(prompt_vocabulary_notes(resolved))
     console.print(f"run directory: [bold]{store.url}[/]")
     console.print(f"snapshots: {snapshot_versions(store)}; files: {len(store.list_recursive(''))}")
 
@@ -168,19 +170,23 @@ def run(
     overrides: Overrides = None,
     run_id: RunIdOption = None,
 ) -> None:
-    """Train end to end: warm-start, generation and training side by side, evaluation, summary."""
+    """Train end to end: warm-start, generation and training side by side, evaluation, summary.
+
+    Run again, it continues from its last checkpoint (raise training.steps past a finished run); --run-id NAME starts afresh."""
     resolved = resolve_config(config, overrides, run_id)
     if resolved.prefect.mode == "deployed":
         require_child_deployments(resolved.prefect.deployment)
     from infra.storage import StorageRejected, StorageUnavailable, open_run_store
     from tasks.lag import read_trainer_state
     from tasks.lease import RunInUse, check_run_free
-    from tasks.rundir import RunConflict, check_recorded_config, check_run_inputs, check_run_writable, pretrained_model_notes
+    from tasks.rundir import (
+        RunConflict, check_recorded_config, check_run_inputs, check_run_writable, pretrained_model_notes, prompt_vocabulary_notes,
+    )  # fmt: skip
 
     try:  # here too, so that a typo or a reused run id is one line and not a failed flow run
         store = open_run_store(resolved.storage, resolved.run_id)
         check_run_inputs(resolved, store)
-        note_all(pretrained_model_notes(resolved))
+        note_all(pretrained_model_notes(resolved) + prompt_vocabulary_notes(resolved))
         check_recorded_config(store, resolved)
         check_run_writable(store)
         check_run_free(store)

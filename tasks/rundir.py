@@ -22,7 +22,7 @@ from pydantic_core import to_jsonable_python
 from configs.loader import ConfigError, apply_override, section_model, validate_config
 from configs.fields import MASKED_SECRET, is_run_id
 from configs.schema import PRETRAINED_TRAINING_DEFAULTS, RunConfig
-from infra.modelfactory import given_model_dir, load_tokenizer, load_trainable_model, prepare_initial_model
+from infra.modelfactory import build_tokenizer, given_model_dir, load_tokenizer, load_trainable_model, prepare_initial_model
 from infra.storage import RunStore, StorageRejected, open_run_store
 from tasks.envs import EnvironmentLoadError, environment_factory
 from tasks.placement import release_gpu_memory, trainer_device
@@ -250,6 +250,34 @@ def pretrained_model_notes(config: RunConfig) -> list[str]:
         notes.append(f"episodes are cut at model.max_position_embeddings ({config.model.max_position_embeddings}) tokens; "
                      f"model.path's context is {context}")  # fmt: skip
     return notes
+
+
+UNKNOWN_TOKEN_NOTE_SHARE = 0.05
+"""The share of unknown tokens in the training prompts past which `prompt_vocabulary_notes` speaks."""
+PROMPTS_LOOKED_AT = 256
+
+
+def prompt_vocabulary_notes(config: RunConfig) -> list[str]:
+    """A note when the run's tokenizer reads much of its training prompts as its unknown token:
+    the tiny built-in model knows only its tasks' words, and a user's environment of plain text
+    on it trained on <unk> after <unk>, with nothing said. Looks at the first PROMPTS_LOOKED_AT
+    prompts; says nothing if the environment or the tokenizer does not load (other checks name that)."""
+    try:
+        tokenizer = load_tokenizer(given_model_dir(config.model.path)) if config.model.path else build_tokenizer()
+        make_env = environment_factory(config.env.entrypoint, config.env.max_turns, config.env.kwargs)
+        prompts = make_env().prompts("train", config.env.train_prompts, config.seed)[:PROMPTS_LOOKED_AT]
+    except Exception:
+        return []
+    unknown = tokenizer.unk_token_id
+    ids = [i for p in prompts for i in tokenizer.encode(p.text, add_special_tokens=False)]
+    share = sum(i == unknown for i in ids) / len(ids) if ids and unknown is not None else 0.0
+    if share <= UNKNOWN_TOKEN_NOTE_SHARE:
+        return []
+    which = "model.path's tokenizer" if config.model.path else (
+        "the tiny built-in model's tokenizer, which knows only its tasks' words (digits, + - * = ,, single letters and "
+        "a few keywords: infra/modelfactory.py TASK_VOCABULARY); give model.path to train on text,"
+    )  # fmt: skip
+    return [f"{share:.0%} of the tokens of the training prompts are unknown to {which} and read as {tokenizer.unk_token}"]
 
 
 def _model_context(path: str) -> int | None:

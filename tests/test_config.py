@@ -15,6 +15,7 @@ from configs import CONFIG_DIR, ConfigError, RunConfig, load_config
 from configs.schema import TrainingConfig
 from configs.loader import validate_config
 from flows.cli import app, resolve_config
+from tasks.envs import Environment, Prompt, StepResult
 from tasks.envs.calculator import CalculatorEnv
 from tasks.rundir import initialize_run, load_run_config
 
@@ -319,7 +320,8 @@ def test_storage_root_loses_trailing_slashes_but_not_its_scheme(root: str, recor
 @pytest.mark.parametrize("override,expected", [
     ("env.entrypoint=nope.mod:Cls", "env.entrypoint: environment entrypoint 'nope.mod:Cls': cannot import"),
     ("env.kwargs={digts: 3}", "env.kwargs: tasks.envs.calculator:CalculatorEnv refuses them"),
-    ("model.path=/nonexistent", "model.path '/nonexistent' is not an HF model directory"),
+    ("model.path=/nonexistent", "model.path '/nonexistent' is not an HF model directory (no config.json)"),
+    ("model.path=Qwen/Qwen3-0.6B", "download it first (`hf download Qwen/Qwen3-0.6B --local-dir DIR`)"),
     ("env.kwargs={digits: 1}", "env.train_prompts: tasks.envs.calculator:CalculatorEnv (env.kwargs {'digits': 1}) cannot give 2000 train prompts"),
     ("storage.root=memory://runs", "storage.root memory://runs: memory:// lives in one process"),
     ("env.eval_prompts=100000", "env.eval_prompts: tasks.envs.calculator:CalculatorEnv (env.kwargs {'partial_credit': True}) cannot give 100000 eval"),
@@ -422,3 +424,32 @@ def test_an_environment_without_held_out_prompts_runs_with_none_asked_for(tmp_pa
     asked = load_config(CONFIG_DIR / "tiny.yaml", overrides)
     with pytest.raises(ConfigError, match="env.eval_prompts: tests.test_config:TrainOnlyEnv .* cannot give 200 eval prompts"):
         check_run_inputs(asked, open_run_store(asked.storage, asked.run_id))
+
+
+class QuestionEnv(Environment):
+    """Prompts of plain English, as a user's question-answering data set has."""
+
+    def prompts(self, split, count, seed):
+        return [Prompt(f"{split}-{i}", f"What is {i} plus one ?", str(i + 1)) for i in range(count)]
+
+    def reset(self, prompt):
+        return prompt.text
+
+    def step(self, action):
+        return StepResult("", 0.0, True)
+
+    def demonstration(self, prompt):
+        return []
+
+
+def test_prompts_the_tiny_tokenizer_cannot_read_are_noted(tmp_path: Path):
+    """The tiny built-in model knows only its tasks' words: a user's plain-text environment on it
+    trained on <unk> after <unk>, and `tandem init` said nothing."""
+    from tasks.rundir import prompt_vocabulary_notes
+
+    root = f"storage.root=file://{tmp_path}/runs"
+    assert prompt_vocabulary_notes(load_config(CONFIG_DIR / "tiny.yaml", [root])) == []
+    text = load_config(CONFIG_DIR / "tiny.yaml", [root, "env.entrypoint=tests.test_config:QuestionEnv", "env.kwargs={}"])
+    (note,) = prompt_vocabulary_notes(text)
+    assert "of the tokens of the training prompts are unknown to the tiny built-in model's tokenizer" in note
+    assert "give model.path to train on text" in note and "<unk>" in note
