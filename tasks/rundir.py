@@ -24,7 +24,7 @@ from configs.fields import MASKED_SECRET, is_run_id
 from configs.schema import PRETRAINED_TRAINING_DEFAULTS, RunConfig
 from infra.modelfactory import build_tokenizer, given_model_dir, load_tokenizer, load_trainable_model, prepare_initial_model
 from infra.storage import RunStore, StorageRejected, open_run_store
-from tasks.envs import EnvironmentLoadError, environment_factory
+from tasks.envs import EnvironmentLoadError, environment_factory, has_demonstrations
 from tasks.placement import release_gpu_memory, trainer_device
 from tasks.snapshots import latest_version, move_latest_forward, publish_snapshot, publish_snapshot_dir, snapshot_versions
 
@@ -210,6 +210,9 @@ def check_run_inputs(config: RunConfig, store: RunStore) -> None:
         env = make_env()
     except Exception as err:  # whatever the user's class raises on these kwargs, a retry reads the same
         raise ConfigError(f"env.kwargs: {config.env.entrypoint} refuses them: {type(err).__name__}: {err}") from None
+    if config.training.warmup_steps > 0 and not has_demonstrations(type(env)) and not _has_initial_snapshot(store):
+        raise ConfigError(f"training.warmup_steps is {config.training.warmup_steps}, and {config.env.entrypoint} has no "
+                          "demonstration for the warm-start: write its `demonstration`, or set training.warmup_steps: 0")  # fmt: skip
     for split, count in (("train", config.env.train_prompts), ("eval", config.env.eval_prompts)):
         if not count:  # an environment without held-out prompts runs with env.eval_prompts: 0
             continue

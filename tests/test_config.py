@@ -453,3 +453,21 @@ def test_prompts_the_tiny_tokenizer_cannot_read_are_noted(tmp_path: Path):
     (note,) = prompt_vocabulary_notes(text)
     assert "of the tokens of the training prompts are unknown to the tiny built-in model's tokenizer" in note
     assert "give model.path to train on text" in note and "<unk>" in note
+
+
+class UndemonstratedEnv(QuestionEnv):
+    """An environment with no demonstrations, as most users' first one is."""
+
+    demonstration = Environment.demonstration
+
+
+def test_an_environment_without_demonstrations_runs_without_a_warm_start_and_is_refused_with_one(tmp_path: Path):
+    """`demonstration` was abstract: an environment without one failed to load ("does not
+    implement demonstration"), though only the warm-start asks for it."""
+    base = [f"storage.root=file://{tmp_path}/runs", "env.entrypoint=tests.test_config:UndemonstratedEnv", "env.kwargs={}"]
+    with pytest.raises(ConfigError, match="training.warmup_steps is 50, and tests.test_config:UndemonstratedEnv has no "
+                                          "demonstration for the warm-start: write its `demonstration`, or set training.warmup_steps: 0"):
+        initialize_run(load_config(CONFIG_DIR / "tiny.yaml", base))
+    assert not (tmp_path / "runs").exists()
+    store = initialize_run(load_config(CONFIG_DIR / "tiny.yaml", [*base, "training.warmup_steps=0"]))
+    assert store.exists("weights/v00000000/MANIFEST.json")

@@ -1,7 +1,7 @@
 """Environments: the tasks an agent is trained on, as text-in, text-out episodes.
 
 - base.py: the contract (`Environment`, one instance per episode, with `prompts`, `reset`, `step`,
-  `truncate` and `demonstration`; `Prompt`, `StepResult`, `Segment`), the hash-based train/eval
+  `truncate` and, for the warm-start, `demonstration`; `Prompt`, `StepResult`, `Segment`), the hash-based train/eval
   split, the entrypoint loader (`load_environment`, and `environment_factory` over it) and prompt
   files from storage (`load_prompts`, `split_prompts`).
 - arithmetic.py: `AdditionEnv`, single-turn addition with an exact-match or partial-credit reward.
@@ -19,6 +19,7 @@ from tasks.envs.base import (
     Segment,
     StepResult,
     environment_factory,
+    has_demonstrations,
     load_environment,
     load_prompts,
     split_prompts,
@@ -31,6 +32,7 @@ __all__ = [
     "Segment",
     "StepResult",
     "environment_factory",
+    "has_demonstrations",
     "load_environment",
     "load_prompts",
     "split_prompts",

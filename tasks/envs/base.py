@@ -96,14 +96,20 @@ class Environment(ABC):
         context instead (0.0 here; a task with penalties charges them). Never raises."""
         return StepResult("", 0.0, True, {"end": "truncated"})
 
-    @abstractmethod
     def demonstration(self, prompt: Prompt) -> list[Segment]:
         """The ideal episode after the prompt, exactly as the rollout would record it for a
         perfect model: model turns end with <eot> (more to come) or <eos> (the last), and the
         env segments equal the observations `step` returns. Used by the supervised warm-start,
         which encodes the text as it is: <eot> and <eos> are the tiny tokenizer's end tokens; for
         another model, write its own (Qwen's <|im_end|>), or the warm-start teaches the model to
-        write the characters "<eos>"."""
+        write the characters "<eos>". Only a run with training.warmup_steps > 0 asks for it (a
+        pretrained model's default is 0); one without it is refused as it starts."""
+        raise NotImplementedError(f"{type(self).__name__} has no demonstration: set training.warmup_steps: 0")
+
+
+def has_demonstrations(env_cls: type[Environment]) -> bool:
+    """Whether `env_cls` gives the warm-start's demonstrations (overrides `demonstration`)."""
+    return env_cls.demonstration is not Environment.demonstration
 
 
 def is_held_out(text: str, fraction: float = HELD_OUT_FRACTION) -> bool:
