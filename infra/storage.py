@@ -39,8 +39,9 @@ local disk (ENOSPC, EDQUOT, EROFS), and, as `StorageRejected` naming the store's
 access and bad credentials (the PermissionError fsspec raises, with the settings to check) and
 requests the server rejects as invalid (an invalid bucket name: OSError EINVAL, or any other 4xx
 answer except 408 Request Timeout and 429 Too Many Requests).
-infra/s3.py holds that reading of S3's errors, and the s3fs filesystem the store talks through.
-Names that start with "." are temporaries of an unfinished write and are never listed.
+infra/s3.py holds that reading of S3's errors, and the s3fs filesystem the store talks through;
+infra/localfs.py the file:// writes. Names that start with "." are temporaries of an unfinished
+write and are never listed; deleting a prefix on file:// removes those a killed writer left.
 """
 
 from __future__ import annotations
@@ -53,7 +54,6 @@ import os
 import shutil
 import threading
 import time
-import uuid
 from collections.abc import Callable, Sequence
 from http.client import IncompleteRead
 from pathlib import Path
@@ -64,6 +64,7 @@ import fsspec
 from botocore.exceptions import BotoCoreError, ClientError
 
 from configs.schema import StorageConfig
+from infra.localfs import link_replacing, remove_empty_dirs, remove_stale_temporaries, write_file
 from infra.s3 import abort_incomplete_uploads, is_missing_bucket, is_precondition_failure, rejection_reason, s3_filesystem
 
 log = logging.getLogger(__name__)
@@ -216,7 +217,7 @@ class RunStore:
         deletes a killed attempt's leftovers before it uploads, and replacing writes a new file
         and renames or links it over the key), so the link keeps the bytes it was verified with."""
         local.parent.mkdir(parents=True, exist_ok=True)
-        if share and self.protocol == "file" and _link_replacing(Path(self.path(key)), local):
+        if share and self.protocol == "file" and link_replacing(Path(self.path(key)), local):
             return
         self._retry(self.fs.get_file, self.path(key), str(local))
 
@@ -261,7 +262,7 @@ class RunStore:
         if self.protocol == "file":
             target = Path(self.path(key))
             target.parent.mkdir(parents=True, exist_ok=True)
-            if take and _link_replacing(local, target):
+            if take and link_replacing(local, target):
                 return
         self._retry(self.fs.put_file, str(local), self.path(key))
 
@@ -324,7 +325,8 @@ class RunStore:
         for key in keys:
             self.delete(key)
         if self.protocol == "file" and Path(self.path(prefix)).is_dir():
-            _remove_empty_dirs(Path(self.path(prefix)))
+            remove_stale_temporaries(Path(self.path(prefix)))
+            remove_empty_dirs(Path(self.path(prefix)))
 
     # -- internals --------------------------------------------------------------------------
 
@@ -334,25 +336,7 @@ class RunStore:
         return path[len(base) :].strip("/")
 
     def _write_local(self, key: str, data: bytes, *, replace: bool, sync: bool) -> bool:
-        target = Path(self.path(key))
-        target.parent.mkdir(parents=True, exist_ok=True)
-        temp = _temporary_sibling(target)
-        try:
-            with open(temp, "wb") as handle:
-                handle.write(data)
-                if sync:
-                    handle.flush()
-                    os.fsync(handle.fileno())
-            if replace:
-                os.replace(temp, target)
-                return True
-            try:
-                os.link(temp, target)
-            except FileExistsError:
-                return False
-            return True
-        finally:
-            temp.unlink(missing_ok=True)
+        return write_file(Path(self.path(key)), data, replace=replace, sync=sync)
 
     def _delete_bulk(self, keys: list[str]) -> list[str]:
         """Delete up to 1,000 keys in one DeleteObjects request; returns those it did not delete."""
@@ -451,31 +435,3 @@ def open_run_store(storage: StorageConfig, run_id: str) -> RunStore:
             pass
     _BUCKETS_SEEN.add(seen)
     return store
-
-
-def _remove_empty_dirs(top: Path) -> None:
-    for directory in sorted((p for p in top.rglob("*") if p.is_dir()), reverse=True):
-        if not any(directory.iterdir()):
-            directory.rmdir()
-    if top.is_dir() and not any(top.iterdir()):
-        top.rmdir()
-
-
-def _link_replacing(source: Path, target: Path) -> bool:
-    """Hard-link `source` at `target`, replacing what is there; False where the filesystems
-    cannot (another device, links refused), and the caller copies instead."""
-    temp = _temporary_sibling(target)
-    try:
-        os.link(source, temp)
-    except OSError:
-        return False
-    try:
-        os.replace(temp, target)
-    finally:  # a replace that failed (the target a directory) leaves no hidden link behind
-        temp.unlink(missing_ok=True)
-    return True
-
-
-def _temporary_sibling(target: Path) -> Path:
-    """A unique hidden name beside `target` for a write not finished yet (hidden names are never listed)."""
-    return target.with_name(f".{target.name}.{uuid.uuid4().hex}.tmp")

@@ -185,6 +185,21 @@ def test_file_store_hides_temporaries_of_unfinished_writes(file_store: RunStore)
     assert file_store.list_recursive("rollouts") == ["rollouts/v1/a.parquet"]
 
 
+def test_a_prefix_deleted_on_file_takes_killed_writers_temporaries_with_it(file_store: RunStore):
+    """A hidden temporary a killed writer left is never listed, so deleting a prefix left it, and
+    with it the directory and, for a retired snapshot's hard link, the weights' bytes. One being
+    written (recent) is left to its writer."""
+    file_store.write_atomic("weights/v00000001/model.safetensors", b"weights")
+    stale, fresh = (Path(file_store.path(f"weights/v0000000{v}/.model.safetensors.1234.tmp")) for v in (1, 2))
+    for temporary in (stale, fresh):
+        temporary.parent.mkdir(parents=True, exist_ok=True)
+        temporary.write_bytes(b"half")
+    os.utime(stale, (time.time() - 3600, time.time() - 3600))
+    file_store.delete_prefix("weights/v00000001")
+    file_store.delete_prefix("weights/v00000002")
+    assert not stale.parent.exists() and fresh.exists()
+
+
 def test_memory_store_has_the_same_primitives():
     store = open_run_store(StorageConfig(root="memory://unit"), f"run-{os.getpid()}-{time.time_ns()}")
     assert store.put_if_absent("k", b"1") and not store.put_if_absent("k", b"2")
