@@ -234,6 +234,9 @@ def test_scale_up_and_down_mid_run(deployment):
     generations = [r for name, r in deployment.children(flow_run_id) if name == "generation"]
     assert len(generations) == 2 and all(r.state.is_completed() for r in generations), deployment.explain(flow_run_id)
     assert {parse_shard_key(k).producer for k in list_shards(store)} == {"gen0", "gen1"}
+    # gen1 left because it was retired: completed at the end of training, it passed either way
+    records = [json.loads(line) for line in store.read_bytes("metrics/generator-gen1.jsonl").splitlines()]
+    assert [r["retired"] for r in records if r["event"] == "finished"] == [True]
     report = json.loads(store.read_bytes("summary.json"))
     assert report["identity_holds"] and report["max_trained_lag"] <= 1 and report["steps"] == JOINING_STEPS
     with deployment.client() as client:  # a request lasts one run: a retrain of it starts with prefect.generators
