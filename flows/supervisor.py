@@ -389,6 +389,11 @@ class Supervisor:
         return (policy.min, policy.max) if policy else (1, MAX_GENERATION_RUNS)
 
     def set_target(self, target: int, reason: str) -> None:
+        """Aim for `target` generation runs. After a give-up no run is added (`scale_to`), so the
+        target goes no higher than the runs alive: it drifted up with autoscale and `tandem
+        scale`, logged as changes that never came, and held later retires back."""
+        if self.gave_up and target > len(self.generators):
+            target, reason = len(self.generators), f"{reason}; no generation run is added once restarts are spent"
         if target != self.target:
             self.log.info("generation runs: %d -> %d (%s)", self.target, target, reason)
         else:

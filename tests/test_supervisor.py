@@ -88,6 +88,15 @@ def test_giving_up_on_a_generator_stops_the_run_once_its_claims_exceed_what_the_
         assert "gen1" in reason and f"{claimed} groups" in reason and "prefect.generation_restarts" in reason
 
 
+def test_after_a_give_up_the_target_goes_no_higher_than_the_runs_alive(file_store, caplog):
+    parent = parent_of(file_store, max_lag=1, restarts=0)
+    parent.target, parent.gave_up = 1, True
+    child(parent, "gen0", Running())
+    with caplog.at_level(logging.INFO, logger="test"):
+        parent.set_target(3, "tandem scale asked for 3")
+    assert parent.target == 1 and "no generation run is added once restarts are spent" in caplog.text
+
+
 def test_scaling_down_retires_the_highest_id_and_scaling_up_skips_a_retiring_one(file_store):
     parent = parent_of(file_store, max_lag=1, restarts=1)
     child(parent, "gen0", Running())
