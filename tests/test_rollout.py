@@ -282,10 +282,10 @@ class CutShortEnv(ToolEnv):
         return StepResult("", -0.5, True, {"end": "truncated"})
 
 
-def play(engine, env_class, max_turns: int, context_length: int = 64, prompt_text: str = "1 + 2 ="):
+def play(engine, env_class, max_turns: int, context_length: int = 64, prompt_text: str = "1 + 2 =", max_new_tokens: int = 16):
     model, url = engine
     tokenizer = load_tokenizer(model)
-    sampling = SamplingParams(temperature=1.0, max_new_tokens=16, ignore_eos=True)
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens, ignore_eos=True)
 
     async def episode():
         async with EngineClient([url]) as client:
@@ -561,18 +561,8 @@ def test_an_observation_past_the_context_is_cut_to_fill_it_exactly(engine):
     """The tool's answer is cut to the room the context leaves, from its start, and the episode
     then ends at the context: the encoding of a character prefix (not of the whole log, on the
     event loop every episode of the worker shares) gives the same tokens."""
-    model, url = engine
-    tokenizer = load_tokenizer(model)
-    sampling = SamplingParams(temperature=1.0, max_new_tokens=4, ignore_eos=True)
-
-    async def episode():
-        async with EngineClient([url]) as client:
-            return await run_episode(
-                client, FloodEnv(3), Prompt("train-0", "1 + 2 =", "3"), tokenizer, sampling,
-                max_turns=3, context_length=64, loaded_version=4, group_id="g0", producer="gen0",
-            )  # fmt: skip
-
-    rollout = asyncio.run(episode())
+    tokenizer = load_tokenizer(engine[0])
+    rollout = play(engine, FloodEnv, max_turns=3, max_new_tokens=4)
     model_turn = rollout.loss_mask.index(0)
     observation = rollout.completion_ids[model_turn:]
     assert len(rollout.prompt_ids) + len(rollout.completion_ids) == 64, "the observation fills the context"
