@@ -125,8 +125,10 @@ class Supervisor:
         self.retiring: dict[str, UUID] = {}
         """Producer id -> flow run id of each generation run asked to retire, until it is final."""
         self.restarts = 0
-        self.abandoned_slots = 0
-        """Slots claimed, and never to be committed, by generation runs given up on."""
+        self.abandoned: dict[str, int] = {}
+        """Producer id -> the slots it claimed and no run of it will commit (a run given up on, a
+        retiring one that left some); forgotten when a run of that id starts again, which
+        generates them first."""
         self.gave_up = False
         """Set once a generation run failed with no restarts left: from then on the parent starts
         no generation run, so that a scale request or the autoscaler cannot undo the bound."""
@@ -165,6 +167,7 @@ class Supervisor:
             name, parameters=self.parameters | parameters, as_subflow=True, timeout=0, idempotency_key=key, flow_run_name=run_name
         )  # fmt: skip
         self.started[role] += 1  # after the run exists: a start that raised is tried again with its key
+        self.abandoned.pop(role, None)
         self.log.info("started %s run %s", flow_name, run.name)
         return run
 
@@ -351,11 +354,11 @@ class Supervisor:
         flight have max_lag x prompts_per_step slots to spare, and past that no batch fills
         again. The trainer would wait for ever, and the parent with it."""
         per_step, max_lag = self.config.training.prompts_per_step, self.config.lag.max_lag
-        self.abandoned_slots += len(self.unfinished_claims(producer))
-        if self.abandoned_slots <= max_lag * per_step:
+        self.abandoned[producer] = len(self.unfinished_claims(producer))
+        if (abandoned := sum(self.abandoned.values())) <= max_lag * per_step:
             return None
         return (
-            f"{self.abandoned_slots} groups claimed by generation runs given up on will never be generated, more than "
+            f"{abandoned} groups claimed by generation runs given up on will never be generated, more than "
             f"the {max_lag * per_step} the lag window spares (lag.max_lag x training.prompts_per_step), so no batch "
             "could fill again; raise prefect.generation_restarts, or resume the run"
         )

@@ -127,7 +127,7 @@ def given_model_dir(path: str) -> Path:
     """`model.path` as a directory; FileNotFoundError naming it unless it holds an HF config.json."""
     directory = Path(path).expanduser()
     if not (directory / "config.json").is_file():
-        hub_id = not directory.exists() and path.count("/") == 1 and not path.startswith((".", "~"))
+        hub_id = not directory.exists() and path.count("/") == 1 and not path.startswith((".", "~", "/"))
         hint = f": tandem reads a local directory; download it first (`hf download {path} --local-dir DIR`) and give DIR" if hub_id else ""
         raise FileNotFoundError(f"model.path {path!r} is not an HF model directory (no config.json){hint}")
     return directory

@@ -320,6 +320,7 @@ def test_storage_root_loses_trailing_slashes_but_not_its_scheme(root: str, recor
 @pytest.mark.parametrize("override,expected", [
     ("env.entrypoint=nope.mod:Cls", "env.entrypoint: environment entrypoint 'nope.mod:Cls': cannot import"),
     ("env.kwargs={digts: 3}", "env.kwargs: tasks.envs.calculator:CalculatorEnv refuses them"),
+    ("env.kwargs={max_turns: 3}", "env.kwargs: tasks.envs.calculator:CalculatorEnv refuses them"),
     ("model.path=/nonexistent", "model.path '/nonexistent' is not an HF model directory (no config.json)"),
     ("model.path=Qwen/Qwen3-0.6B", "download it first (`hf download Qwen/Qwen3-0.6B --local-dir DIR`)"),
     ("env.kwargs={digits: 1}", "env.train_prompts: tasks.envs.calculator:CalculatorEnv (env.kwargs {'digits': 1}) cannot give 2000 train prompts"),
@@ -334,6 +335,7 @@ def test_initialize_run_refuses_what_does_not_load_before_writing_anything(tmp_p
     with pytest.raises(ConfigError, match=None) as caught:
         initialize_run(config)
     assert expected in str(caught.value)
+    assert ("hf download" in str(caught.value)) == ("Qwen" in override), "the hub hint only for what looks like a hub id"
     assert list(tmp_path.iterdir()) == [], "no config.json to refuse the corrected config later"
 
     class FailedState:

@@ -47,7 +47,7 @@ def parent_of(store, max_lag: int, restarts: int) -> Supervisor:
         "prefect": {"generation_restarts": restarts},
     })  # fmt: skip
     parent.store, parent.client, parent.log = store, ChildStates(), logging.getLogger("test")
-    parent.generators, parent.retiring, parent.restarts, parent.gave_up, parent.abandoned_slots = {}, {}, 0, False, 0
+    parent.generators, parent.retiring, parent.restarts, parent.gave_up, parent.abandoned = {}, {}, 0, False, {}
     parent.waiting_since, parent.warned_waiting = {}, set()
     parent.metrics, parent.booting = {}, {}
     parent.started = []
@@ -119,11 +119,28 @@ def test_a_retiring_generator_that_ends_with_claims_left_is_counted_as_given_up(
     child(parent, "gen1", Completed(), retiring=True)
     claim_slots(file_store, "gen1", claimed)
     parent.scale_to(1)
-    assert parent.retiring == {} and parent.abandoned_slots == claimed
+    assert parent.retiring == {} and sum(parent.abandoned.values()) == claimed
     reason = stop_reason(file_store)
     assert (reason is not None) == stops
     if stops:
         assert f"retiring generation gen1 left {claimed} claimed groups" in reason
+
+
+def test_a_retired_generators_left_claims_stop_counting_once_its_id_runs_again(file_store, monkeypatch):
+    """Scaling up reuses the lowest free id, whose new run generates its earlier life's claims
+    first: counted for good, each retirement that left a few added to a total that stopped a
+    healthy run once past the lag window's spare."""
+    monkeypatch.setattr(supervisor, "run_deployment", lambda name, **_: SimpleNamespace(id=uuid4(), name=name, state=Running()))
+    parent = parent_of(file_store, max_lag=1, restarts=1)
+    del parent.start  # the real one, over the Prefect call above
+    parent.claim, parent.parameters, parent.started = "c1", {}, Counter()
+    child(parent, "gen0", Running())
+    child(parent, "gen1", Completed(), retiring=True)
+    claim_slots(file_store, "gen1", 2)
+    parent.scale_to(1)
+    assert parent.abandoned == {"gen1": 2}
+    parent.scale_to(2)
+    assert "gen1" in parent.generators and parent.abandoned == {}, "a run of gen1 generates them again"
 
 
 def test_claims_whose_groups_were_set_aside_are_not_a_given_up_generators_unfinished_work(file_store):
@@ -202,7 +219,7 @@ def test_child_starts_carry_a_key_that_a_resent_creation_repeats(monkeypatch):
     monkeypatch.setattr(supervisor, "run_deployment", run_deployment)
     parent = Supervisor.__new__(Supervisor)
     parent.config, parent.log, parent.parameters = RunConfig(run_id="demo"), logging.getLogger("test"), {}
-    parent.claim, parent.started = "c1", Counter()
+    parent.claim, parent.started, parent.abandoned = "c1", Counter(), {}
     with pytest.raises(httpx.ReadTimeout):
         parent.start("training")
     parent.start("training")

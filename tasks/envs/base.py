@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import importlib
 import json
@@ -184,8 +183,11 @@ def load_environment(entrypoint: str) -> type[Environment]:
 
 def environment_factory(entrypoint: str, max_turns: int, kwargs: dict[str, Any]) -> Callable[[], Environment]:
     """What makes one episode's environment: the class `entrypoint` names (`load_environment`,
-    imported once), called with `max_turns` and the config's `env.kwargs` at each call."""
-    return functools.partial(load_environment(entrypoint), max_turns=max_turns, **kwargs)
+    imported once), called with `max_turns` and the config's `env.kwargs` at each call. What the
+    class refuses of them (a `max_turns` among the kwargs too) is raised by that call, where
+    tasks/rundir.py `check_run_inputs` names it as env.kwargs' fault."""
+    env_cls = load_environment(entrypoint)
+    return lambda: env_cls(max_turns=max_turns, **kwargs)
 
 
 def load_prompts(data: bytes, fmt: Literal["jsonl", "parquet"]) -> list[Prompt]:
