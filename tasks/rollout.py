@@ -46,9 +46,12 @@ EOT_TOKEN = "<eot>"
 PROMPT_CHECK_BATCH = 4096
 """Prompts `check_prompts_fit` encodes at once."""
 CHARS_PER_TOKEN_BOUND = 32
-"""An observation is cut to this many characters per token of room before it is encoded: the
-tokens it is then cut to are the same (a token of more characters is rare), and a tool's
-multi-megabyte log is not encoded whole on the event loop every episode of the worker shares."""
+"""An observation is cut to this many characters per token of room before it is encoded, so that
+a tool's multi-megabyte log is not encoded whole on the event loop every episode of the worker
+shares (`observation_tokens`)."""
+CUT_MARGIN_TOKENS = 64
+"""Tokens past the room a cut prefix must give for its first tokens to be the whole text's: a
+cut changes the tokens of its last word only."""
 
 
 def turn_stop_ids(tokenizer: PreTrainedTokenizerBase, model_eos: Iterable[int] = ()) -> list[int]:
@@ -195,8 +198,7 @@ async def _play(
             finish = "max_turns"
             reward += (await env.truncate()).reward
             break
-        room = max(0, context_length - len(prompt_ids) - len(completion))
-        observation = tokenizer.encode(step.observation[: CHARS_PER_TOKEN_BOUND * room], add_special_tokens=False)[:room]
+        observation = observation_tokens(tokenizer, step.observation, max(0, context_length - len(prompt_ids) - len(completion)))
         completion += observation
         mask += [0] * len(observation)
         logprobs += [0.0] * len(observation)
@@ -231,6 +233,17 @@ async def run_group(
         for episode in episodes:
             episode.cancel()
         raise
+
+
+def observation_tokens(tokenizer: PreTrainedTokenizerBase, text: str, room: int) -> list[int]:
+    """The first `room` tokens of `text`, encoded once, as a whole: from a prefix of it where that
+    gives them for sure (room and a margin of tokens more), else from all of it (a text of long
+    tokens: runs of whitespace or separators that a tokenizer keeps whole)."""
+    prefix = text[: CHARS_PER_TOKEN_BOUND * (room + CUT_MARGIN_TOKENS)]
+    tokens = tokenizer.encode(prefix, add_special_tokens=False)
+    if len(prefix) < len(text) and len(tokens) < room + CUT_MARGIN_TOKENS:
+        tokens = tokenizer.encode(text, add_special_tokens=False)
+    return tokens[:room]
 
 
 def turn_text(tokenizer: PreTrainedTokenizerBase, tokens: list[int], stop_ids: Iterable[int]) -> str:

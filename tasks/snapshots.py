@@ -66,6 +66,9 @@ if TYPE_CHECKING:  # transformers' model classes import torch, which the rollout
 
 log = logging.getLogger(__name__)
 WEIGHTS = "weights"
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+"""What weights a model directory may hold: v0 is model.path committed whole, a hub download's
+pytorch_model*.bin and original/*.pth included."""
 LATEST_KEY = f"{WEIGHTS}/LATEST"
 PINS = f"{WEIGHTS}/pins"
 REJECTED = f"{WEIGHTS}/rejected"
@@ -143,7 +146,7 @@ def publish_snapshot_dir(store: RunStore, local_dir: Path, version: int, take_fi
 
 
 def _weight_files(manifest: dict) -> dict:
-    return {name: entry for name, entry in manifest["files"].items() if name.endswith((".safetensors", ".bin"))}
+    return {name: entry for name, entry in manifest["files"].items() if name.endswith(WEIGHT_SUFFIXES)}
 
 
 class SnapshotConflict(RuntimeError):
@@ -218,9 +221,9 @@ def load_snapshot(store: RunStore, cache_dir: Path, version: int | None = None, 
     """Fetch and verify snapshot `version` (default: LATEST) into cache_dir; returns its directory.
 
     The directory loads with `AutoModelForCausalLM.from_pretrained` and SGLang as it is. Without
-    `weights`, every file but the *.safetensors is fetched: what a tokenizer loads from, for a
-    process that needs no model (each Dask worker: a 14B model's 28 GB fetched and hashed per
-    worker, for its tokenizer, filled a machine's disk)."""
+    `weights`, every file but the weights (WEIGHT_SUFFIXES) is fetched: what a tokenizer loads
+    from, for a process that needs no model (each Dask worker: a 14B model's 28 GB fetched and
+    hashed per worker, for its tokenizer, filled a machine's disk)."""
     if version is None:
         version = latest_version(store)
         if version is None:
@@ -231,7 +234,7 @@ def load_snapshot(store: RunStore, cache_dir: Path, version: int | None = None, 
 
 
 def _not_weights(name: str) -> bool:
-    return not name.endswith(".safetensors")
+    return not name.endswith(WEIGHT_SUFFIXES)
 
 
 FETCH_PIN_SECONDS = 24 * 3600

@@ -568,3 +568,17 @@ def test_an_observation_past_the_context_is_cut_to_fill_it_exactly(engine):
     assert len(rollout.prompt_ids) + len(rollout.completion_ids) == 64, "the observation fills the context"
     assert set(rollout.loss_mask[model_turn:]) == {0} and rollout.turns == 1 and rollout.finish_reason == "length"
     assert observation == tokenizer.encode(LONG_OBSERVATION, add_special_tokens=False)[: len(observation)]
+
+
+def test_an_observation_is_cut_to_the_same_tokens_as_the_whole_text_gives():
+    """A prefix of 32 characters per token of room gave fewer tokens than the room where a
+    tokenizer keeps long runs whole (here: 100-character words, each one <unk>), and the
+    observation came out shorter than the context allowed."""
+    from infra.modelfactory import build_tokenizer
+    from tasks.rollout import observation_tokens
+
+    tokenizer = build_tokenizer()
+    for text in (" 7" * 100_000, ("x" * 100 + " ") * 1_000, " 7 8"):
+        whole = tokenizer.encode(text, add_special_tokens=False)
+        for room in (0, 1, 50, 500):
+            assert observation_tokens(tokenizer, text, room) == whole[:room], (text[:20], room)

@@ -187,9 +187,13 @@ def test_a_fetch_without_weights_gives_a_verified_tokenizer_and_no_weights(store
     """What a Dask worker fetches for its tokenizer: every Dask worker fetched and hashed the
     whole v0 (28 GB of a 14B model) for it. Each file it does fetch is verified as ever, and no
     manifest is left to pass the copy off as a whole snapshot."""
-    publish_snapshot(store, model, tokenizer, version=0)
+    model.save_pretrained(tmp_path / "v0")
+    tokenizer.save_pretrained(tmp_path / "v0")
+    (tmp_path / "v0" / "pytorch_model.bin").write_bytes(b"weights too")  # model.path committed whole: a hub download's
+    publish_snapshot_dir(store, tmp_path / "v0", version=0)
     local = load_snapshot(store, tmp_path / "cache", 0, weights=False)
-    assert not list(local.glob("*.safetensors")) and not (local / MANIFEST_NAME).exists()
+    assert not list(local.glob("*.safetensors")) and not (local / "pytorch_model.bin").exists()
+    assert not (local / MANIFEST_NAME).exists() and (local / "config.json").exists()
     assert load_tokenizer(local).get_vocab() == tokenizer.get_vocab()
     store.write_atomic(f"{snapshot_prefix(0)}/tokenizer.json", b"{}")
     with pytest.raises(ManifestError, match="tokenizer.json"):
