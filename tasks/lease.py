@@ -225,22 +225,25 @@ class PipelineWatch:
         for a pipeline that took the run over since: its own pipeline, whose renewals had stopped,
         otherwise asked its children to stop through the run directory, and stopped the
         successor's trainer."""
-        if self.claim is not None and self.reason is not None and now and self.successor is None:
-            self._look_for_successor()
-        if self.claim is None or self.reason is not None or (not now and time.monotonic() - self.checked_at < self.interval):
+        if self.claim is None or (self.reason is not None and (self.successor is not None or not now)):
+            return self.reason
+        if not now and time.monotonic() - self.checked_at < self.interval:
             return self.reason
         self.checked_at = time.monotonic()
         try:
             lease = read_lease(self.store)
         except Exception as err:
             log.warning("could not read the lease of %s: %r", self.store.url, err)
-            self.renewed = None
-            return None
-        if lease is None:
-            self.reason = f"the pipeline that started this run no longer holds {self.store.url}"
-        elif lease.get("claim") != self.claim:
+            if self.reason is None:
+                self.renewed = None
+            return self.reason
+        if lease is not None and lease.get("claim") != self.claim:
             self.successor = lease["holder"]
             self.reason = f"pipeline {lease['holder']} has taken {self.store.url} over"
+        elif self.reason is not None:  # gone stays gone
+            pass
+        elif lease is None:
+            self.reason = f"the pipeline that started this run no longer holds {self.store.url}"
         elif _process_gone_here(lease):
             self.reason = f"pipeline {lease['holder']}'s process {lease['pid']} is gone"
         elif lease["at"] != self.renewed:
@@ -248,16 +251,6 @@ class PipelineWatch:
         elif self.checked_at - self.renewal_seen > STALE_SECONDS:
             self.reason = f"pipeline {lease['holder']} has not renewed its lease of {self.store.url} for {self.checked_at - self.renewal_seen:.0f} s"
         return self.reason
-
-    def _look_for_successor(self) -> None:
-        try:
-            lease = read_lease(self.store)
-        except Exception as err:
-            log.warning("could not read the lease of %s: %r", self.store.url, err)
-            return
-        if lease is not None and lease.get("claim") != self.claim:
-            self.successor = lease["holder"]
-            self.reason = f"pipeline {lease['holder']} has taken {self.store.url} over"
 
 
 def _alive(lease: dict) -> bool:
