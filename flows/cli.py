@@ -30,7 +30,6 @@ from rich.markup import escape
 
 from configs import DEPLOYED_CONFIG, ConfigError, RunConfig, load_config
 from configs.fields import MAX_GENERATION_RUNS
-from configs.schema import AutoscaleConfig
 
 app = typer.Typer(
     help="tandem: agentic RL with inference and training scaled independently.",
@@ -319,25 +318,28 @@ def scale(
     with prefect_server_reached(url):
         if (pipeline_run := running_pipeline(run_id)) is None:
             fail(f"no pipeline of run {run_id!r} is running on {url}: nothing to scale", code=1)
+        started_with = config_of(pipeline_run.parameters)
+        if started_with is not None and started_with.prefect.mode == "local":
+            fail(f"run {run_id} runs in local mode (prefect.mode: local): its {started_with.prefect.generators} generation "
+                 "subflows share one process, which no scale request reaches; start it with prefect.mode: deployed to scale it", code=1)  # fmt: skip
         Variable.set(scale_variable(run_id), scale_request(generators, str(pipeline_run.id)), overwrite=True)
     console.print(f"run {run_id}: asked for {generators} generation run{'s' if generators != 1 else ''} (variable {scale_variable(run_id)})")
-    if (policy := autoscale_of(pipeline_run.parameters)) is not None:
+    if started_with is not None and (policy := started_with.prefect.autoscale) is not None:
         bounded = min(max(generators, policy.min), policy.max)
         takes = f"it takes {bounded} (prefect.autoscale's min {policy.min}, max {policy.max}), and" if bounded != generators else "and"
         console.print(f"note: run {run_id} autoscales: {takes} its measurements may move it again "
                       f"{policy.cooldown_seconds:g} s after", soft_wrap=True)  # fmt: skip
 
 
-def autoscale_of(parameters: dict) -> AutoscaleConfig | None:
-    """The prefect.autoscale section a pipeline run was started with, defaults filled in as the
-    run fills them (configs/deployed.yaml's without a config parameter), or None when it does not
-    autoscale."""
+def config_of(parameters: dict) -> RunConfig | None:
+    """The config a pipeline run was started with, defaults filled in as the run fills them
+    (configs/deployed.yaml's without a config parameter), or None when it does not validate (the
+    run checked it as it started: what `tandem scale` reads it for is not worth failing over)."""
     given = parameters.get("config")
     try:
-        config = RunConfig.model_validate(given) if isinstance(given, dict) else load_config(DEPLOYED_CONFIG)
-    except ValueError:  # what the run checked as it started: a note is not worth failing for
+        return RunConfig.model_validate(given) if isinstance(given, dict) else load_config(DEPLOYED_CONFIG)
+    except ValueError:
         return None
-    return config.prefect.autoscale
 
 
 @config_app.command("show")

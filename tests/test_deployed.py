@@ -24,6 +24,7 @@ from prefect.events import emit_event
 from prefect.events.worker import EventsWorker
 from prefect.states import Cancelled, Running
 
+from configs import RunConfig
 from flows.scaling import scale_variable
 from flows.ui import artifact_key
 from benchmarks.prefect_restart import restart_mid_run
@@ -457,6 +458,27 @@ def test_scaling_a_run_that_is_not_running_is_refused(deployment):
     assert done.returncode == 1 and "no pipeline of run 'nosuchrun' is running" in done.stderr, done.stdout + done.stderr
     with deployment.client() as client:
         assert client.read_variable_by_name(scale_variable("nosuchrun")) is None, "no request left for a later run"
+
+
+def test_scaling_a_local_mode_run_is_refused(deployment):
+    """A local-mode pipeline started through the deployment runs its generators as subflows of one
+    process: `tandem scale` said it asked for more, and nothing read the request."""
+    from flows.pipeline import pipeline
+
+    local = RunConfig.model_validate({"run_id": "local-run", "prefect": {"mode": "local", "generators": 2}})
+    with deployment.client() as client:
+        run = client.create_flow_run(pipeline, parameters={"config": local.as_parameters(secrets=False)}, state=Running(), tags=[RUN_TAG])
+    try:
+        done = subprocess.run([_bin("tandem"), "scale", "local-run", "--generators", "3"],
+                              env=os.environ | deployment.env, capture_output=True, text=True, timeout=120)  # fmt: skip
+    finally:
+        with deployment.client() as client:
+            client.set_flow_run_state(run.id, Cancelled(), force=True)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "run local-run runs in local mode (prefect.mode: local): its 2 generation subflows share one process" in done.stderr
+    assert "asked for" not in done.stdout
+    with deployment.client() as client:
+        assert client.read_variable_by_name(scale_variable("local-run")) is None
 
 
 def test_a_deployed_tandem_run_needs_the_child_deployments_first(deployment):

@@ -312,17 +312,20 @@ def test_a_scale_request_without_autoscale_is_bounded_and_one_of_another_form_ig
     assert parent.wanted_generators() == target
 
 
-def test_tandem_scale_reads_the_bounds_of_the_run_it_asks():
-    """`tandem scale` notes the autoscale bounds of the pipeline run it reaches: from its config
-    parameter, or configs/deployed.yaml's (no autoscale) when it was started without one."""
-    from flows.cli import autoscale_of
+def test_tandem_scale_reads_the_config_of_the_run_it_asks():
+    """`tandem scale` reads the pipeline run's config for its mode and autoscale bounds: from its
+    config parameter, or configs/deployed.yaml's (deployed, no autoscale) when it was started
+    without one."""
+    from flows.cli import config_of
 
     bounded = RunConfig.model_validate({"prefect": {"mode": "deployed", "autoscale": {"min": 2, "max": 5}}})
-    assert autoscale_of({"config": bounded.as_parameters(secrets=False)}) == bounded.prefect.autoscale
-    partial = autoscale_of({"config": {"prefect": {"mode": "deployed", "autoscale": {"max": 3}}}})
+    assert config_of({"config": bounded.as_parameters(secrets=False)}).prefect.autoscale == bounded.prefect.autoscale
+    partial = config_of({"config": {"prefect": {"mode": "deployed", "autoscale": {"max": 3}}}}).prefect.autoscale
     assert (partial.min, partial.max, partial.cooldown_seconds) == (1, 3, 30.0), "defaults filled in, as the run does"
-    assert autoscale_of({"run_id": "demo"}) is None
-    assert autoscale_of({"config": RunConfig().as_parameters(secrets=False)}) is None
+    default = config_of({"run_id": "demo"})
+    assert default.prefect.mode == "deployed" and default.prefect.autoscale is None
+    assert config_of({"config": RunConfig().as_parameters(secrets=False)}).prefect.mode == "local"
+    assert config_of({"config": {"prefect": {"mode": "elsewhere"}}}) is None
 
 
 def test_a_cancelled_generator_is_one_fewer_not_a_crash(file_store):
