@@ -228,7 +228,7 @@ class RunStore:
 
         On file:// the new bytes are fsynced before the rename (see the module docstring)."""
         if self.protocol == "file":
-            self._retry(self._write_local, key, data, replace=True, sync=True)
+            self._retry(write_file, Path(self.path(key)), data, replace=True, sync=True)
         else:
             self._retry(self.fs.pipe_file, self.path(key), data)
 
@@ -242,7 +242,7 @@ class RunStore:
         next asks for one.
         """
         if self.protocol == "file":
-            return self._retry(self._write_local, key, data, replace=False, sync=sync)
+            return self._retry(write_file, Path(self.path(key)), data, replace=False, sync=sync)
         if self.protocol == "s3":
             return self._retry(self._put_if_absent_s3, key, data)
         with _MEMORY_LOCK:
@@ -334,9 +334,6 @@ class RunStore:
         path = path.split("://", 1)[-1] if self.protocol != "file" else path
         base = self.base.split("://", 1)[-1] if self.protocol != "file" else self.base
         return path[len(base) :].strip("/")
-
-    def _write_local(self, key: str, data: bytes, *, replace: bool, sync: bool) -> bool:
-        return write_file(Path(self.path(key)), data, replace=replace, sync=sync)
 
     def _delete_bulk(self, keys: list[str]) -> list[str]:
         """Delete up to 1,000 keys in one DeleteObjects request; returns those it did not delete."""
