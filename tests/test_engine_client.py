@@ -469,6 +469,7 @@ class GarbageEngine:
         deadline = time.monotonic() + 10
         while not self.server.started and time.monotonic() < deadline:
             time.sleep(0.05)
+        assert self.server.started, f"the garbage engine did not start on port {self.port}"  # else its failures would be refusals
         return f"http://127.0.0.1:{self.port}"
 
     def __exit__(self, *exc_info) -> None:

@@ -277,8 +277,8 @@ def test_the_rl_step_runs_without_dropout() -> None:
     model = tiny_model()
     for layer in model.model.layers:
         layer.self_attn.attention_dropout = 0.9
-    trainer = Trainer(model, TrainingConfig())
-    metrics = trainer.rl_step(on_policy_batch(model.eval(), [1.0, -1.0]))
+    batch = on_policy_batch(model.eval(), [1.0, -1.0])  # as an engine scores it
+    metrics = Trainer(model.train(), TrainingConfig()).rl_step(batch)
     assert metrics["ratio_max"] == pytest.approx(1.0, abs=1e-5)
 
 
