@@ -375,8 +375,14 @@ def test_a_request_whose_client_gave_up_is_aborted(http, engine):
         pytest.skip("SGLang's /server_info reports no queue length")
     assert http.post("/pause_generation", json={"mode": "in_place"}).status_code == 200
     try:
-        with pytest.raises(httpx.ReadTimeout):
-            http.post("/generate", json={"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 8}}, timeout=0.5)
+        with ThreadPoolExecutor(1) as pool:
+            given_up = pool.submit(http.post, "/generate", json={"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 8}}, timeout=3)
+            deadline = time.monotonic() + 2.5
+            while not http.get("/server_info").json()["num_waiting"] and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert http.get("/server_info").json()["num_waiting"] == 1, "the request waits in the paused engine's queue"
+            with pytest.raises(httpx.ReadTimeout):
+                given_up.result()
         deadline = time.monotonic() + 10
         while http.get("/server_info").json()["num_waiting"] and time.monotonic() < deadline:
             time.sleep(0.05)

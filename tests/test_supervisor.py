@@ -438,6 +438,7 @@ def _pipeline_started_in_this_process(run_id: str) -> dict:
     return found
 
 
+@pytest.mark.slow  # a temporary Prefect server
 def test_tandem_scale_reaches_a_pipeline_that_was_not_started_from_a_deployment_even_as_it_starts():
     """A request made between the pipeline's start and its clearing of earlier ones is kept."""
     with prefect_test_harness():
