@@ -333,7 +333,10 @@ def test_a_closed_client_ends_its_requests_and_opens_no_pool_or_probe_again():
         client = EngineClient([url], retry_seconds=30)
         await client.__aenter__()
         request = asyncio.create_task(client.generate([1, 2], SamplingParams(max_new_tokens=2)))
-        await asyncio.sleep(0.3)
+        for _ in range(100):  # its first try fails at once: nothing listens
+            if not client.endpoints[0].healthy:
+                break
+            await asyncio.sleep(0.05)
         assert not client.endpoints[0].healthy
         await client.close()
         started = time.monotonic()

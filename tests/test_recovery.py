@@ -100,7 +100,9 @@ def test_a_trainer_and_a_generator_whose_pipeline_is_gone_stop_by_themselves(tmp
         threading.Thread(target=pipeline_until, args=(ended,), daemon=True).start()
         generator = threading.Thread(target=lambda: outcome.update(generation(config, "gen0", "c1")))
         generator.start()
+        deadline = time.monotonic() + 180
         while len(list_shards(store)) < config.training.prompts_per_step:  # the lag window's first batch
+            assert generator.is_alive() and time.monotonic() < deadline, f"no first batch: {outcome}"
             time.sleep(0.2)
         ended.set()
         generator.join(timeout=120)
