@@ -337,6 +337,10 @@ class AutoscaleConfig(Section):
             raise ValueError(f"autoscale.min ({self.min}) must be at most autoscale.max ({self.max})")
         return self
 
+    def bounded(self, count: int) -> int:
+        """`count` generation runs moved into [min, max]."""
+        return min(max(count, self.min), self.max)
+
 
 class PrefectConfig(Section):
     """How the flows run: in one process (local) or as deployments on two work pools."""

@@ -28,7 +28,7 @@ import yaml
 from rich.console import Console
 from rich.markup import escape
 
-from configs import DEPLOYED_CONFIG, ConfigError, RunConfig, load_config
+from configs import ConfigError, RunConfig, load_config
 from configs.fields import MAX_GENERATION_RUNS
 
 app = typer.Typer(
@@ -316,30 +316,19 @@ def scale(
     from flows.scaling import running_pipeline, scale_request, scale_variable  # Prefect's client (seconds): after the checks
 
     with prefect_server_reached(url):
-        if (pipeline_run := running_pipeline(run_id)) is None:
+        if (running := running_pipeline(run_id)) is None:
             fail(f"no pipeline of run {run_id!r} is running on {url}: nothing to scale", code=1)
-        started_with = config_of(pipeline_run.parameters)
-        if started_with is not None and started_with.prefect.mode == "local":
+        pipeline_run, started_with = running
+        if started_with.prefect.mode == "local":
             fail(f"run {run_id} runs in local mode (prefect.mode: local): its {started_with.prefect.generators} generation "
                  "subflows share one process, which no scale request reaches; start it with prefect.mode: deployed to scale it", code=1)  # fmt: skip
         Variable.set(scale_variable(run_id), scale_request(generators, str(pipeline_run.id)), overwrite=True)
     console.print(f"run {run_id}: asked for {generators} generation run{'s' if generators != 1 else ''} (variable {scale_variable(run_id)})")
-    if started_with is not None and (policy := started_with.prefect.autoscale) is not None:
-        bounded = min(max(generators, policy.min), policy.max)
+    if (policy := started_with.prefect.autoscale) is not None:
+        bounded = policy.bounded(generators)
         takes = f"it takes {bounded} (prefect.autoscale's min {policy.min}, max {policy.max}), and" if bounded != generators else "and"
         console.print(f"note: run {run_id} autoscales: {takes} its measurements may move it again "
                       f"{policy.cooldown_seconds:g} s after", soft_wrap=True)  # fmt: skip
-
-
-def config_of(parameters: dict) -> RunConfig | None:
-    """The config a pipeline run was started with, defaults filled in as the run fills them
-    (configs/deployed.yaml's without a config parameter), or None when it does not validate (the
-    run checked it as it started: what `tandem scale` reads it for is not worth failing over)."""
-    given = parameters.get("config")
-    try:
-        return RunConfig.model_validate(given) if isinstance(given, dict) else load_config(DEPLOYED_CONFIG)
-    except ValueError:
-        return None
 
 
 @config_app.command("show")

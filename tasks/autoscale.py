@@ -60,7 +60,7 @@ def generator_wait_fraction(generator_records: list[list[dict]], since: float) -
 
 def autoscale_target(current: int, trainer_idle: float | None, generator_wait: float | None, policy: AutoscaleConfig) -> int:
     """The number of generation runs to have next: `current` moved by at most one, within bounds."""
-    target = min(max(current, policy.min), policy.max)
+    target = policy.bounded(current)
     if target != current:
         return target
     if trainer_idle is not None and trainer_idle > policy.target_trainer_idle:

@@ -21,7 +21,7 @@ from prefect.variables import Variable
 
 import flows.supervisor as supervisor
 from configs.schema import RunConfig
-from flows.scaling import clear_scale_request, running_pipeline, scale_request, scale_variable, tag_for_scaling
+from flows.scaling import clear_scale_request, pipeline_config, running_pipeline, scale_request, scale_variable, tag_for_scaling
 from flows.supervisor import Supervisor
 from tasks.lag import SlotClaims, request_retire, retire_requested, stop_reason
 from tasks.failed_groups import set_aside_group
@@ -313,19 +313,18 @@ def test_a_scale_request_without_autoscale_is_bounded_and_one_of_another_form_ig
 
 
 def test_tandem_scale_reads_the_config_of_the_run_it_asks():
-    """`tandem scale` reads the pipeline run's config for its mode and autoscale bounds: from its
-    config parameter, or configs/deployed.yaml's (deployed, no autoscale) when it was started
-    without one."""
-    from flows.cli import config_of
-
+    """`tandem scale` finds the run by its config's run id and reads its mode and autoscale
+    bounds: the config parameter, or configs/deployed.yaml's (deployed, no autoscale) when it was
+    started without one, under its run_id parameter if given, as the pipeline resolves them."""
     bounded = RunConfig.model_validate({"prefect": {"mode": "deployed", "autoscale": {"min": 2, "max": 5}}})
-    assert config_of({"config": bounded.as_parameters(secrets=False)}).prefect.autoscale == bounded.prefect.autoscale
-    partial = config_of({"config": {"prefect": {"mode": "deployed", "autoscale": {"max": 3}}}}).prefect.autoscale
+    assert pipeline_config({"config": bounded.as_parameters(secrets=False)}).prefect.autoscale == bounded.prefect.autoscale
+    partial = pipeline_config({"config": {"prefect": {"mode": "deployed", "autoscale": {"max": 3}}}}).prefect.autoscale
     assert (partial.min, partial.max, partial.cooldown_seconds) == (1, 3, 30.0), "defaults filled in, as the run does"
-    default = config_of({"run_id": "demo"})
-    assert default.prefect.mode == "deployed" and default.prefect.autoscale is None
-    assert config_of({"config": RunConfig().as_parameters(secrets=False)}).prefect.mode == "local"
-    assert config_of({"config": {"prefect": {"mode": "elsewhere"}}}) is None
+    default = pipeline_config({"run_id": "demo"})
+    assert (default.run_id, default.prefect.mode, default.prefect.autoscale) == ("demo", "deployed", None)
+    renamed = pipeline_config({"config": RunConfig(run_id="given").as_parameters(secrets=False), "run_id": "over"})
+    assert (renamed.run_id, renamed.prefect.mode) == ("over", "local")
+    assert pipeline_config({"config": {"prefect": {"mode": "elsewhere"}}}) is None
 
 
 def test_a_cancelled_generator_is_one_fewer_not_a_crash(file_store):
