@@ -409,8 +409,8 @@ class Supervisor:
             if not state.is_final():
                 continue
             if state.is_completed():
-                # Slots it gave up on, aborted again and again (tasks/generator.py), hold capacity:
-                # no run of its id comes back for them, so they count as a given-up run's claims do.
+                # Slots it left claimed and uncommitted (not set aside: tasks/failed_groups.py) hold
+                # capacity: no run of its id comes back for them, so they count as a given-up run's do.
                 if (unfinished := self.unfinished_claims(producer)) and (reason := self.abandon_claims(producer)):
                     request_stop(self.store, f"retiring generation {producer} left {len(unfinished)} claimed groups: {reason}")
                 del self.retiring[producer]

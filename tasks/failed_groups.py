@@ -1,9 +1,10 @@
-"""Groups an environment failed: set aside with the failure's record, and replaced.
+"""Groups that failed: set aside with the failure's record, and replaced.
 
 A group whose environment raised, hung, or paid a reward a shard cannot hold (tasks/envthread.py
-`EnvironmentFailed`) is not committed. Its generator writes the failure's record (the error, its
-traceback, the prompt, the producer) to `quarantine/failed-groups/{slot:06d}.json`,
-put-if-absent, and from then on:
+`EnvironmentFailed`) is not committed; nor is one whose requests the engines aborted at every
+try (tasks/generator.py `requeue_unfinished`). Its generator writes the failure's record (the
+error, the prompt, the producer; an environment's traceback) to
+`quarantine/failed-groups/{slot:06d}.json`, put-if-absent, and from then on:
 
 - its slot is spent (`spent_slots`: committed or set aside): a restarted generator does not play
   it again, nor does a retry of its chunk, which finds the record, nor a producer its claims are

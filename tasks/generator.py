@@ -29,7 +29,7 @@ from infra.manifest import ManifestError
 from infra.modelfactory import load_tokenizer
 from infra.storage import open_run_store
 from tasks.envs import environment_factory
-from tasks.failed_groups import failed_group_slots
+from tasks.failed_groups import failed_group_slots, set_aside_group
 from tasks.lag import SlotClaims, admission_capacity, claim_share, read_trainer_state
 from tasks.rollout import check_prompts_fit, model_eos_ids
 from tasks.shards import committed_slots, parse_shard_key
@@ -211,20 +211,33 @@ class Generator:
         an engine's or an operator's abort, not this run's end) first in line again, and return
         them. A claimed slot is this producer's alone, so left uncommitted it would hold its share
         of the admission window for good and, at max_lag 0, stall the trainer one group short.
-        After training has finished they stay claimed, for a continued run to make; so does a
-        slot aborted more than MAX_ABORTS_PER_SLOT times, whose abort every try meets."""
+        After training has finished they stay claimed, for a continued run to make.
+
+        A slot aborted more than MAX_ABORTS_PER_SLOT times, whose abort every try meets, is set
+        aside as a failed group (tasks/failed_groups.py): the trainer counts it lost and admission
+        makes another group in its place. Merely left claimed, it held its capacity for as long
+        as the generator ran, and at max_lag 0 the trainer waited for it for good."""
         unfinished = sorted(set(slots) - {result.slot for result in results})
         if not unfinished or read_trainer_state(self.store).done:
             return []
         self.aborts.update(unfinished)
         given_up = [slot for slot in unfinished if self.aborts[slot] > MAX_ABORTS_PER_SLOT]
         if given_up:
-            print(f"{self.producer}: groups of slots {given_up} were aborted {MAX_ABORTS_PER_SLOT + 1} times: not generated "
-                  "again in this run of the generator (an abort that every try meets: a prompt longer than the engines' "
-                  "context or KV cache?); they hold admission capacity until a restart generates them")  # fmt: skip
+            self._set_aside_aborted(given_up)
         requeued = [slot for slot in unfinished if slot not in given_up]
         self.orphans.extend(requeued)
         return requeued
+
+    def _set_aside_aborted(self, slots: list[int]) -> None:
+        error = (f"its requests were aborted {MAX_ABORTS_PER_SLOT + 1} times (an abort that every try meets: a prompt "
+                 "longer than the engines' context or KV cache? an operator's abort_request?)")  # fmt: skip
+        committed = set(committed_slots(self.store))  # a concurrent try of its chunk may have made it: it stands
+        for slot in [s for s in slots if s not in committed]:
+            prompt = self.prompts[slot % len(self.prompts)]
+            record = {"slot": slot, "producer": self.producer, "prompt_id": prompt.prompt_id, "env": self.config.env.entrypoint,
+                      "error": error, "failed_at": time.time()}  # fmt: skip
+            key = set_aside_group(self.store, slot, record)
+            log.warning("%s: slot %d's group %s; set aside as %s, and another group is made in its place", self.producer, slot, error, key)
 
     def claim_specs(self, most: int, held: int = 0, producers: int = 1, new_claims: bool = True) -> list[GroupSpec]:
         """Up to `most` slots to generate: this producer's orphans first, then (unless

@@ -17,8 +17,8 @@ of a generator killed before it flushed its records, which no restart under its 
 (the summary table shows the count and says so). It is counted apart (`foreign_shards`) and its
 rows are taken out of the ledger's counts, so that the identity compares like with like. The
 learner trains a group once whichever copy it reads first, and disposes of the other as a
-duplicate. A group its environment failed (tasks/failed_groups.py)
-holds no sample: it is counted apart (`groups_failed`).
+duplicate. A group set aside as failed (tasks/failed_groups.py: its environment failed it, or
+every try was aborted) holds no sample: it is counted apart (`groups_failed`).
 """
 
 from __future__ import annotations
@@ -174,7 +174,7 @@ def summary_rows(summary: dict) -> list[tuple[str, str]]:
         ("max trained lag", str(summary["max_trained_lag"])),
         *([("shards no generator recorded", f"{summary['foreign_shards']}, left out of the counts above: copies under a "
             "second key, or shards of a generator killed before it recorded them")] if summary.get("foreign_shards") else []),
-        *([("groups the environment failed", f"{summary['groups_failed']}, set aside in quarantine/ with their tracebacks")]
+        *([("groups failed", f"{summary['groups_failed']}, set aside in quarantine/failed-groups/ with their errors")]
           if summary.get("groups_failed") else []),
     ]
 

@@ -131,7 +131,7 @@ def test_a_group_the_environment_failed_is_counted_apart_and_is_not_foreign(tmp_
     assert (counts["generated"], counts["trained"], counts["quarantined"], counts["identity_holds"]) == (8, 8, 0, True)
     assert (counts["foreign_shards"], counts["groups_failed"]) == (0, 1), "before, a failed group read as a foreign shard"
     rows = dict(summary_rows({**counts, "eval_before": None, "steps": 1, "reward_start": 0.0, "reward_end": 0.0, "trainer_idle_fraction": 0.0}))
-    assert rows["groups the environment failed"].startswith("1, set aside in quarantine/")
+    assert rows["groups failed"].startswith("1, set aside in quarantine/failed-groups/")
 
 
 def test_the_summary_writes_both_plots(tmp_path):
