@@ -54,7 +54,7 @@ from tasks.lag import (
 )  # fmt: skip
 from tasks.loss import group_advantages
 from tasks.metrics import MetricsLog
-from tasks.shards import list_shards, parse_shard_key, quarantined_keys, read_valid_shards, table_to_rollouts
+from tasks.shards import ValidShards, list_shards, parse_shard_key, quarantined_keys, read_valid_shards, table_to_rollouts
 from tasks.snapshots import (
     apply_retention, latest_version, load_snapshot, manifest_digest, publish_snapshot, read_rejection_report, recommit_snapshot,
     rejection_reports, snapshot_versions,
@@ -113,6 +113,9 @@ class Learner:
         self.poll_seconds = 0.0
         """The part of it spent sleeping between looks, with no batch ready (the rest is
         listing, reading and validating shards: bookkeeping)."""
+        self.resumed_over: tuple[int, frozenset[str]] = (0, frozenset())
+        """(version, shard keys): the version this trainer resumed at and the shards committed
+        before it did, which hold no row newer than that version (`_read_shards`)."""
 
     @property
     def version(self) -> int:
@@ -126,6 +129,7 @@ class Learner:
                 # A trainer that died before its first checkpoint: its steps' weights are withdrawn
                 # (tasks/lag.py `reopen_run`), and its records with them (tasks/report.py).
                 self.metrics.log("resumed", version=0, disposed=0)
+                self.resumed_over = (0, frozenset(list_shards(self.store)))
             return None
         self.trainer = Trainer(self.trainer.model, self.config.training, version=step, ref_model=self.ref_model,
                                sampling_temperature=self.config.generation.temperature)  # fmt: skip
@@ -151,6 +155,7 @@ class Learner:
         # after this checkpoint, and a group committed there after the dead trainer's own look
         # was checked by its generator against a state before this step.
         self.window_floor = max(0, step - self.config.lag.max_lag - 1)
+        self.resumed_over = (step, frozenset(list_shards(self.store, min_version=self.window_floor)))
         self.metrics.log("resumed", version=step, disposed=len(self.ledger.disposed))
         if step not in snapshot_versions(self.store):
             # Retired, or skipped by publish_every: LATEST, moved back to the newest snapshot up to
@@ -161,7 +166,6 @@ class Learner:
     def admit_batch(self, should_stop: Callable[[], bool] = lambda: False, poll_seconds: float = 0.2) -> dict[str, pa.Table] | None:
         """The next batch's shards (key -> table), waiting until enough are there; None if told to stop."""
         groups, max_lag = self.config.training.prompts_per_step, self.config.lag.max_lag
-        model = self.trainer.model.config
         chosen: dict[str, pa.Table] = {}
         seen_groups = set(self.ledger.trained_groups) | set(self.ledger.dropped_groups)
         started = time.monotonic()
@@ -193,8 +197,7 @@ class Learner:
                     time.sleep(poll_seconds)
                     self.poll_seconds += poll_seconds
                 continue
-            valid = read_valid_shards(self.store, [c.key for c in batch], current_version=self.version, vocab_size=model.vocab_size,
-                                      context_length=model.max_position_embeddings, max_rows=self.config.generation.samples_per_prompt)  # fmt: skip
+            valid = self._read_shards([c.key for c in batch])
             for key, reason in valid.quarantined.items():
                 self._dispose(key, "quarantined", samples=1)
             for key, table in valid.tables.items():
@@ -302,6 +305,24 @@ class Learner:
             for key in keys
             if key not in self.ledger.disposed and key not in exclude
         ]
+
+    def _read_shards(self, keys: list[str]) -> ValidShards:
+        """The shards of `keys`, read and validated, the bad ones quarantined. A row may not be
+        newer than the trainer; in a shard committed before this trainer resumed, not newer than
+        the version it resumed at: such a row was played on a snapshot the restart withdrew
+        (tasks/lag.py `reopen_run`). A shard of rows of the resumed version and of a withdrawn
+        one is keyed at the resumed version (its lowest), so nothing else tells it apart once
+        the trainer has published the withdrawn number again."""
+        model = self.trainer.model.config
+        resumed, before = self.resumed_over
+        found = ValidShards()
+        for current, part in ((resumed, [k for k in keys if k in before]), (self.version, [k for k in keys if k not in before])):
+            read = read_valid_shards(self.store, part, current_version=current, vocab_size=model.vocab_size,
+                                     context_length=model.max_position_embeddings, max_rows=self.config.generation.samples_per_prompt)  # fmt: skip
+            found.tables.update(read.tables)
+            found.quarantined.update(read.quarantined)
+        found.tables = {key: found.tables[key] for key in keys if key in found.tables}  # in the order given
+        return found
 
     def _drops_without_signal(self, table: pa.Table) -> bool:
         """Whether dynamic sampling drops this group: its rewards are all one, and this step has

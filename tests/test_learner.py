@@ -19,7 +19,7 @@ from tasks.lag import admission_capacity, late_shard_keys, read_trainer_state, r
 from tasks.learner import Learner
 from tasks.metrics import MetricsLog, read_metrics
 from tasks.failed_groups import set_aside_group
-from tasks.shards import quarantined_keys, shard_key, write_shard
+from tasks.shards import parse_shard_key, quarantined_keys, shard_key, write_shard
 from tasks.snapshots import apply_retention, latest_version, load_snapshot, publish_snapshot, snapshot_versions
 from tests.test_shards import make_rollouts
 
@@ -289,6 +289,32 @@ def test_a_restarted_run_withdraws_what_the_dead_trainer_published_after_its_che
     assert sorted(resumed.admit_batch(poll_seconds=0.01)) == second, "this lineage trains the dead one's step 2 again"
     assert [resumed.ledger.disposed.get(key) for key in played_on_v2] == ["quarantined"] * 2
     assert set(played_on_v2) <= quarantined_keys(resumed.store) and resumed.ledger.lost_groups == 2
+
+
+def test_a_group_played_partly_on_a_withdrawn_snapshot_is_quarantined_after_the_trainer_passes_its_number(tmp_path: Path):
+    """An engine that failed the dead trainer's v2 played a group's first episodes on v1, the
+    others on v2: the shard is keyed v1 (its lowest), so at the resumed v1 it was fine, and once
+    the new lineage had published its own v2 its v2 rows were no longer from the future, and
+    they were trained as the new v2's."""
+    learner = make_learner(tmp_path)
+    publish_snapshot(learner.store, learner.trainer.model, learner.tokenizer, 0)
+    for slot in range(2):
+        write_group(learner, f"s{slot:08d}", seq=slot)
+    learner.train_step(learner.admit_batch(poll_seconds=0.01))
+    learner._checkpoint()  # the checkpoint at v1
+    second = [write_group(learner, f"s{slot:08d}", seq=slot) for slot in range(2, 4)]
+    learner.train_step(learner.admit_batch(poll_seconds=0.01))  # v2 published, then the trainer dies
+    rows = [dataclasses.replace(r, group_id="s00000006", policy_version=1 + i // 2) for i, r in enumerate(make_rollouts(n=4))]
+    mixed = write_shard(learner.store, rows, "gen0", 6).key
+    assert parse_shard_key(mixed).version == 1
+    resumed = restart_run(tmp_path)
+    batch = resumed.admit_batch(poll_seconds=0.01)
+    assert sorted(batch) == second, "the dead lineage's step 2 again; the mixed group is younger"
+    resumed.train_step(batch)  # the new v2
+    fresh = [write_group(resumed, f"s{slot:08d}", seq=slot, version=2) for slot in range(7, 9)]
+    assert sorted(resumed.admit_batch(poll_seconds=0.01)) == fresh
+    assert resumed.ledger.disposed.get(mixed) == "quarantined"
+    assert "is from the future (trainer is at version 1)" in json.loads(resumed.store.read_bytes(f"quarantine/{mixed}.reason.json"))["reason"]
 
 
 def test_a_trainer_resumed_past_the_snapshots_kept_publishes_its_own_version(tmp_path: Path):
