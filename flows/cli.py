@@ -1,4 +1,5 @@
-"""The `tandem` command line: a thin layer over configs/, infra/ and the flows.
+"""The `tandem` commands, over configs/, infra/ and the flows; what they check before they act,
+and how a failed check exits, is flows/preflight.py.
 
 Commands: `run CONFIG` (train end to end; configs/tiny.yaml is the embedded default), `init` (lay out a run directory
 with its config and the initial weight snapshot), `eval` (score a snapshot), `deploy` (work
@@ -18,18 +19,20 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, NoReturn
+from typing import Annotated
 
 import typer
 import yaml
 from rich.console import Console
 from rich.markup import escape
 
-from configs import ConfigError, RunConfig, load_config
+from configs import RunConfig
 from configs.fields import MAX_GENERATION_RUNS
+from flows.preflight import (
+    err_console, exits_on_run_errors, fail, load_deployment_spec, note_all, prefect_server_reached, prefect_server_url,
+    require_child_deployments, require_engine_backend, resolve_config,
+)  # fmt: skip
 
 app = typer.Typer(
     help="tandem: agentic RL with inference and training scaled independently.",
@@ -44,7 +47,6 @@ app.add_typer(storage_app, name="storage")
 app.add_typer(engine_app, name="engine")
 
 console = Console()
-err_console = Console(stderr=True)
 
 ConfigFile = Annotated[Path, typer.Argument(help="Run configuration YAML (e.g. configs/tiny.yaml).")]
 Overrides = Annotated[
@@ -64,79 +66,6 @@ SECRETS_IN_DEPLOYED_RUNS = (
 RunIdOption = Annotated[str | None, typer.Option("--run-id", help="Run id (overrides run_id in the file).")]
 
 
-def fail(message: str, code: int = 2) -> NoReturn:
-    """Print an error for a person and exit with `code` (2: bad input, 1: runtime failure)."""
-    err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
-    raise typer.Exit(code)
-
-
-def resolve_config(config: Path | None, overrides: list[str] | None, run_id: str | None = None) -> RunConfig:
-    """Load and validate (`--run-id` wins over the file), or exit 2 naming the field and what is allowed.
-
-    `--run-id` is a string as given: quoted as a YAML scalar, so `--run-id 123` is the run "123"
-    (not the integer), and `--run-id ''` is refused rather than ignored."""
-    run_id_override = [f"run_id={json.dumps(run_id, ensure_ascii=False)}"] if run_id is not None else []
-    try:
-        return load_config(config, [*(overrides or ()), *run_id_override])
-    except ConfigError as err:
-        fail(str(err))
-
-
-def note_all(notes: list[str]) -> None:
-    """Print what is allowed but likely not meant, one `note:` line each, on stderr."""
-    for note in notes:
-        err_console.print(f"[bold yellow]note:[/] {escape(note)}", highlight=False, soft_wrap=True)
-
-
-def require_engine_backend(config: RunConfig) -> None:
-    """Exit 2 before anything starts when engine.backend is sglang and SGLang is not installed
-    here (for a process that starts engines itself)."""
-    if config.engine.backend == "sglang":
-        from infra.engines.process import EngineStartError
-        from infra.engines.sglang import require_sglang
-
-        try:
-            require_sglang()
-        except EngineStartError as err:
-            fail(str(err))
-
-
-def prefect_server_url() -> str:
-    """PREFECT_API_URL, or exit 2 saying how to set it: unset, Prefect would start a temporary
-    server of its own, and what `deploy` or `scale` writes there reaches no one."""
-    from prefect.settings import PREFECT_API_URL
-
-    api_url = PREFECT_API_URL.value()
-    if not api_url:
-        fail("PREFECT_API_URL is not set: point it at your Prefect server, e.g. "
-             "export PREFECT_API_URL=http://127.0.0.1:4200/api")  # fmt: skip
-    return api_url
-
-
-@contextmanager
-def prefect_server_reached(api_url: str) -> Iterator[None]:
-    """Exit 1 with one line naming `api_url` when the Prefect server there does not answer."""
-    import httpx
-
-    try:
-        yield
-    except httpx.TransportError as err:
-        fail(f"cannot reach the Prefect server at {api_url} (PREFECT_API_URL): {err or type(err).__name__}", code=1)
-
-
-def require_child_deployments(name: str) -> None:
-    """Exit unless the server at PREFECT_API_URL has the deployments a deployed run starts its
-    children from (infra/deployments.py); without PREFECT_API_URL, a deployed run would start
-    them on a temporary server of its own, which no worker polls."""
-    from infra.deployments import require_child_deployments as check
-
-    with prefect_server_reached(prefect_server_url()):
-        try:
-            check(name)
-        except ConfigError as err:
-            fail(str(err))
-
-
 @app.command("init")
 def init(
     config: ConfigFile,
@@ -145,19 +74,15 @@ def init(
 ) -> None:
     """Create a run directory: the resolved config.json and the initial weight snapshot v0."""
     resolved = resolve_config(config, overrides, run_id)  # before importing torch: fail fast
-    from infra.storage import StorageRejected, StorageUnavailable, open_run_store
-    from tasks.rundir import RunConflict, check_run_writable, initialize_run, pretrained_model_notes, prompt_vocabulary_notes
+    from infra.storage import open_run_store
+    from tasks.rundir import check_run_writable, initialize_run, pretrained_model_notes, prompt_vocabulary_notes
     from tasks.snapshots import snapshot_versions
 
     note_all(pretrained_model_notes(resolved))
-    try:
+    with exits_on_run_errors(f"storage.root {resolved.storage.root}"):
         check_run_writable(open_run_store(resolved.storage, resolved.run_id))
         with console.status(f"initialising run {resolved.run_id}"):
             store = initialize_run(resolved)
-    except (RunConflict, ConfigError) as err:  # another config, or a damaged config.json
-        fail(str(err))
-    except (StorageUnavailable, StorageRejected) as err:
-        fail(f"storage.root {resolved.storage.root}: {err}", code=1)
     note_all(prompt_vocabulary_notes(resolved))
     console.print(f"run directory: [bold]{store.url}[/]")
     console.print(f"snapshots: {snapshot_versions(store)}; files: {len(store.list_recursive(''))}")
@@ -175,26 +100,18 @@ def run(
     resolved = resolve_config(config, overrides, run_id)
     if resolved.prefect.mode == "deployed":
         require_child_deployments(resolved.prefect.deployment)
-    from infra.storage import StorageRejected, StorageUnavailable, open_run_store
+    from infra.storage import open_run_store
     from tasks.lag import read_trainer_state
-    from tasks.lease import RunInUse, check_run_free
-    from tasks.rundir import (
-        RunConflict, check_recorded_config, check_run_inputs, check_run_writable, pretrained_model_notes, prompt_vocabulary_notes,
-    )  # fmt: skip
+    from tasks.lease import check_run_free
+    from tasks.rundir import check_recorded_config, check_run_inputs, check_run_writable, pretrained_model_notes, prompt_vocabulary_notes
 
-    try:  # here too, so that a typo or a reused run id is one line and not a failed flow run
+    with exits_on_run_errors(f"storage.root {resolved.storage.root}"):  # here too: one line, not a failed flow run
         store = open_run_store(resolved.storage, resolved.run_id)
         check_run_inputs(resolved, store)
         note_all(pretrained_model_notes(resolved) + prompt_vocabulary_notes(resolved))
         check_recorded_config(store, resolved)
         check_run_writable(store)
         check_run_free(store)
-    except (RunConflict, ConfigError) as err:
-        fail(str(err))
-    except (StorageUnavailable, StorageRejected) as err:
-        fail(f"storage.root {resolved.storage.root}: {err}", code=1)
-    except RunInUse as err:
-        fail(str(err), code=1)
     trained = read_trainer_state(store).version
     if trained >= resolved.training.steps and store.exists("summary.json"):  # finished: say so, start nothing
         console.print(f"run {resolved.run_id} has trained {trained} steps already (training.steps is "
@@ -206,12 +123,8 @@ def run(
         require_engine_backend(resolved)
     from flows.pipeline import pipeline  # Prefect, torch and the flows (8 s): after the checks
 
-    try:
+    with exits_on_run_errors(f"storage.root {resolved.storage.root}"):  # the run taken since the check, say
         pipeline(resolved)
-    except (RunConflict, ConfigError) as err:
-        fail(str(err))
-    except RunInUse as err:  # taken between the check above and the pipeline's claim
-        fail(str(err), code=1)
 
 
 def run_command(config: Path, overrides: list[str]) -> list[str]:
@@ -229,27 +142,22 @@ def evaluate_run(
     overrides: Overrides = None,
 ) -> None:
     """Score one snapshot of a run on its held-out prompts (greedy), and record it in metrics."""
-    from infra.storage import StorageRejected, StorageUnavailable, open_run_store
+    from infra.storage import open_run_store
     from tasks.rundir import load_run_config
     from tasks.snapshots import SnapshotMissing, committed_version
 
     if run.startswith("file://") and not run.startswith("file:///"):
         run = "file://" + os.path.abspath(run.removeprefix("file://"))
-    try:
+    with exits_on_run_errors(run):
         resolved = load_run_config(run, overrides or ())
-    except ConfigError as err:
-        fail(str(err))
-    except (StorageUnavailable, StorageRejected) as err:
-        fail(f"{run}: {err}", code=1)
     if not resolved.env.eval_prompts:
         fail(f"run {resolved.run_id} has no held-out prompts (env.eval_prompts is 0): add --set env.eval_prompts=N")
     require_engine_backend(resolved)
-    try:  # before the flow starts, which would print the error as a traceback
-        version = committed_version(open_run_store(resolved.storage, resolved.run_id), version)
-    except (SnapshotMissing, ValueError) as err:  # ValueError: a LATEST that does not parse, named
-        fail(str(err))
-    except (StorageUnavailable, StorageRejected) as err:
-        fail(f"{run}: {err}", code=1)
+    with exits_on_run_errors(run):  # before the flow starts, which would print the error as a traceback
+        try:
+            version = committed_version(open_run_store(resolved.storage, resolved.run_id), version)
+        except (SnapshotMissing, ValueError) as err:  # ValueError: a LATEST that does not parse, named
+            fail(str(err))
     from flows.evaluation import evaluation
 
     result = evaluation(resolved, version)
@@ -277,27 +185,6 @@ def deploy(
         except RuntimeError as err:  # the `prefect deploy` that it runs failed
             fail(str(err), code=1)
     console.print(f"deployed to {api_url}: " + ", ".join(names))
-
-
-def load_deployment_spec(path: Path) -> dict:
-    """prefect.yaml, or exit 2 naming what is wrong with it: README has people edit it (the
-    nightly schedule's run id), and a slip there was a traceback from the YAML parser or the
-    pool set-up."""
-    try:
-        spec = yaml.safe_load(path.read_text())
-    except (yaml.YAMLError, UnicodeDecodeError) as err:
-        fail(f"{path}: not valid YAML: {err}")
-    if not isinstance(spec, dict):
-        fail(f"{path}: must be a mapping with a `deployments` list, not {'nothing' if spec is None else f'a YAML {type(spec).__name__}'}")
-    deployments = spec.get("deployments", [])
-    if not isinstance(deployments, list):
-        fail(f"{path}: `deployments` must be a list of mappings, each with a `name`")
-    for i, deployment in enumerate(deployments):
-        if not (isinstance(deployment, dict) and isinstance(deployment.get("name"), str)):
-            fail(f"{path}: deployments[{i}] must be a mapping with a `name`")
-        if not isinstance(deployment.get("work_pool", {}), dict):
-            fail(f"{path}: deployments[{i}] ({deployment['name']}): `work_pool` must be a mapping with a `name`")
-    return spec
 
 
 @app.command("scale")

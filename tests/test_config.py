@@ -14,7 +14,8 @@ from typer.testing import CliRunner
 from configs import CONFIG_DIR, ConfigError, RunConfig, load_config
 from configs.schema import TrainingConfig
 from configs.loader import validate_config
-from flows.cli import app, resolve_config
+from flows.cli import app
+from flows.preflight import resolve_config
 from tasks.envs import Environment, Prompt, StepResult
 from tasks.envs.calculator import CalculatorEnv
 from tasks.rundir import initialize_run, load_run_config
