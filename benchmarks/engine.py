@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import httpx  # noqa: E402
 import torch  # noqa: E402
 
-from configs.schema import ModelConfig  # noqa: E402
+from configs.sections import ModelConfig  # noqa: E402
 from infra.engines.api import SamplingParams  # noqa: E402
 from infra.engines.client import EngineClient  # noqa: E402
 from infra.engines.process import cpu_engine_process  # noqa: E402

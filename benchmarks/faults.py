@@ -51,7 +51,7 @@ from rich.console import Console
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from configs.schema import StorageConfig  # noqa: E402
+from configs.sections import StorageConfig  # noqa: E402
 from flows.cli import run_command  # noqa: E402
 from infra.prefect_server import PrefectServer, descendants  # noqa: E402
 from infra.seaweed import SeaweedServer, free_s3_port  # noqa: E402

@@ -31,7 +31,7 @@ import random
 from collections import deque
 from dataclasses import dataclass, field
 
-from configs.schema import SimLatencyConfig
+from configs.sections import SimLatencyConfig
 
 
 @dataclass

@@ -49,7 +49,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.floor import floor_seconds  # noqa: E402
-from configs.schema import EngineConfig, SimLatencyConfig  # noqa: E402
+from configs.sections import EngineConfig, SimLatencyConfig  # noqa: E402
 from flows.cli import run_command  # noqa: E402
 from infra.prefect_server import PrefectServer  # noqa: E402
 from infra.scratch import scratch_dir  # noqa: E402
@@ -120,7 +120,7 @@ def _decode_steps(lengths: list[int], cap: int) -> int:
 
 def tiny_snapshot_bytes() -> int:
     """Size of the tiny model's safetensors, which the sim engines' load time is scaled by."""
-    from configs.schema import ModelConfig
+    from configs.sections import ModelConfig
     from infra.modelfactory import save_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -58,7 +58,7 @@ import pyarrow.parquet as pq  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.progress import Progress  # noqa: E402
 
-from configs.schema import ModelConfig, StorageConfig  # noqa: E402
+from configs.sections import ModelConfig, StorageConfig  # noqa: E402
 from infra.modelfactory import TASK_VOCABULARY, build_model, build_tokenizer  # noqa: E402
 from infra.seaweed import SeaweedServer, free_s3_port  # noqa: E402
 from infra.storage import RunStore, open_run_store  # noqa: E402

@@ -53,7 +53,7 @@ from rich.console import Console
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from configs.schema import EngineConfig, ModelConfig, StorageConfig  # noqa: E402
+from configs.sections import EngineConfig, ModelConfig, StorageConfig  # noqa: E402
 from infra.engines.fleet import EngineFleet  # noqa: E402
 from infra.manifest import sha256_file  # noqa: E402
 from infra.modelfactory import load_model, load_tokenizer, save_tiny_model  # noqa: E402

@@ -1,5 +1,6 @@
-"""Run configuration: pydantic models (schema.py), YAML loading with overrides (loader.py), and
-the shipped YAML files (tiny.yaml is the embedded default, deployed.yaml the default of the
+"""Run configuration: pydantic models (`RunConfig` in schema.py, one per section in
+sections.py), the field types they share (fields.py), YAML loading with overrides (loader.py),
+and the shipped YAML files (tiny.yaml is the embedded default, deployed.yaml the default of the
 `pipeline` deployment). Imports nothing else of tandem."""
 
 from pathlib import Path

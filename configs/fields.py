@@ -1,4 +1,4 @@
-"""Field types of the run configuration and their checks, which configs/schema.py builds on.
+"""Field types of the run configuration and their checks, which configs/sections.py and configs/schema.py build on.
 
 Each type carries both a pydantic check, worded for a person, and where Prefect needs it a
 JSON-schema twin (`whole_text_pattern`), so that a deployment refuses a bad parameter when the

@@ -300,7 +300,7 @@ def engine_serve(
     from pydantic import ValidationError
 
     from configs.loader import describe_validation_error
-    from configs.schema import SimLatencyConfig
+    from configs.sections import SimLatencyConfig
     from infra.engines.server import AddressUnavailable, ModelUnloadable, serve
     from infra.modelfactory import given_model_dir
 

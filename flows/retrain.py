@@ -25,7 +25,8 @@ from pydantic import Field, ValidationError
 
 from configs import DEPLOYED_CONFIG, load_config
 from configs.fields import MAX_SLOTS, RunId
-from configs.schema import RunConfig, StorageConfig
+from configs.schema import RunConfig
+from configs.sections import StorageConfig
 from flows.pipeline import pipeline, score_snapshot
 from infra.storage import open_run_store
 from tasks.checkpoints import latest_checkpoint_step

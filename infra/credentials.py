@@ -12,7 +12,7 @@ import logging
 import os
 import time
 
-from configs.schema import StorageConfig
+from configs.sections import StorageConfig
 
 log = logging.getLogger(__name__)
 

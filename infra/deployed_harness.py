@@ -43,7 +43,7 @@ from pathlib import Path
 import httpx
 
 from configs import TINY_CONFIG, load_config
-from configs.schema import StorageConfig
+from configs.sections import StorageConfig
 from infra.prefect_server import PrefectServer, start_worker, stop_process_group
 from infra.storage import RunStore, open_run_store
 

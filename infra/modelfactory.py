@@ -36,7 +36,7 @@ from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 from transformers import GenerationConfig, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 from transformers.utils import logging as hf_logging
 
-from configs.schema import ModelConfig
+from configs.sections import ModelConfig
 
 if TYPE_CHECKING:
     import torch

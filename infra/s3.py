@@ -22,7 +22,7 @@ from collections.abc import Callable
 import fsspec
 from botocore.exceptions import ClientError, NoCredentialsError, ParamValidationError, PartialCredentialsError
 
-from configs.schema import StorageConfig
+from configs.sections import StorageConfig
 from infra.credentials import s3_credentials
 
 PERMANENT_BOTO_ERRORS = (NoCredentialsError, PartialCredentialsError, ParamValidationError)

@@ -63,7 +63,7 @@ import aiohttp
 import fsspec
 from botocore.exceptions import BotoCoreError, ClientError
 
-from configs.schema import StorageConfig
+from configs.sections import StorageConfig
 from infra.localfs import link_replacing, remove_empty_dirs, remove_stale_temporaries, write_file
 from infra.s3 import abort_incomplete_uploads, is_missing_bucket, is_precondition_failure, rejection_reason, s3_filesystem
 

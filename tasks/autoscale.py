@@ -22,7 +22,7 @@ added for a waiting trainer, which the next measurement added again, a boot each
 
 from __future__ import annotations
 
-from configs.schema import AutoscaleConfig
+from configs.sections import AutoscaleConfig
 
 RECENT_STEPS = 10
 """Trainer steps the idle fraction is measured over."""

@@ -22,7 +22,8 @@ import gc
 from typing import TYPE_CHECKING
 
 from configs.loader import ConfigError
-from configs.schema import RunConfig, TrainingConfig
+from configs.schema import RunConfig
+from configs.sections import TrainingConfig
 
 if TYPE_CHECKING:
     import torch

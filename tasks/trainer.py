@@ -55,7 +55,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from configs.schema import TrainingConfig
+from configs.sections import TrainingConfig
 from infra.modelfactory import PAD, TASK_VOCABULARY
 from tasks.loss import policy_loss, token_entropy, token_logprobs
 from tasks.placement import autocast_dtype

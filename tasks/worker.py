@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
 
-from configs.schema import StorageConfig
+from configs.sections import StorageConfig
 from infra.engines.api import SamplingParams
 from infra.engines.client import EngineClient
 from infra.modelfactory import load_tokenizer

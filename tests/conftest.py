@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from configs.schema import ModelConfig, StorageConfig
+from configs.sections import ModelConfig, StorageConfig
 from infra.manifest import MANIFEST_NAME, build_manifest
 from infra.modelfactory import save_tiny_model
 from infra.seaweed import SeaweedServer, free_s3_port

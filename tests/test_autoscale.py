@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from configs.schema import AutoscaleConfig
+from configs.sections import AutoscaleConfig
 from tasks.autoscale import autoscale_target, generator_wait_fraction, trainer_idle_fraction
 
 POLICY = AutoscaleConfig(min=1, max=3, target_trainer_idle=0.2, max_generator_wait=0.3)

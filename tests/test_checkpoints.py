@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from configs.schema import ModelConfig
+from configs.sections import ModelConfig
 from infra.manifest import ManifestError
 from infra.modelfactory import build_model
 from tasks.checkpoints import (

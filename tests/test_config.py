@@ -12,7 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from configs import CONFIG_DIR, ConfigError, RunConfig, load_config
-from configs.schema import TrainingConfig
+from configs.sections import TrainingConfig
 from configs.loader import validate_config
 from flows.cli import app
 from flows.preflight import resolve_config
@@ -257,7 +257,7 @@ def test_a_run_on_s3_is_read_back_as_its_storage_overrides_say(seaweed, monkeypa
 
 
 def test_retrain_reaches_deployed_yaml_s_root_as_that_file_says_and_another_root_as_the_environment_does():
-    from configs.schema import StorageConfig
+    from configs.sections import StorageConfig
     from flows.retrain import run_location
 
     deployed = StorageConfig(root="s3://tandem/runs/", endpoint_url="http://minio:9000", credentials_block="s3-creds")
@@ -388,7 +388,7 @@ def test_a_model_path_run_is_told_what_it_keeps_of_the_tiny_set_up_and_refused_a
     """`--set model.path=...` on a shipped tiny config keeps its learning rate and warm-start (the
     config gives them, so the pretrained defaults do not apply) and its 64-token episodes."""
     from infra.modelfactory import save_tiny_model
-    from configs.schema import ModelConfig
+    from configs.sections import ModelConfig
     from tasks.rundir import pretrained_model_notes
 
     model = save_tiny_model(ModelConfig(max_position_embeddings=128), tmp_path / "model", seed=0)

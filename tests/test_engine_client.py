@@ -22,7 +22,7 @@ import httpx
 import pytest
 import uvicorn
 
-from configs.schema import ModelConfig, SimLatencyConfig
+from configs.sections import ModelConfig, SimLatencyConfig
 from infra.engines.api import SamplingParams, oldest_weight_version
 from infra.engines.client import KEEPALIVE_SECONDS, EngineClient, EngineClientClosed, EngineRequestError, NoHealthyEngine
 from infra.engines.control import EngineControl

@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from configs.schema import EngineConfig, ModelConfig, SimLatencyConfig
+from configs.sections import EngineConfig, ModelConfig, SimLatencyConfig
 from infra.engines.process import EngineProcess, cpu_engine_process
 from infra.manifest import MANIFEST_NAME, build_manifest
 from infra.modelfactory import save_tiny_model

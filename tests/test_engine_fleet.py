@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from configs.schema import EngineConfig, SimLatencyConfig
+from configs.sections import EngineConfig, SimLatencyConfig
 from infra.engines.fleet import EngineFleet
 from tests.conftest import committed_model_dir
 

@@ -16,7 +16,7 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from configs.schema import EnvConfig
+from configs.sections import EnvConfig
 from infra.modelfactory import TASK_VOCABULARY, build_tokenizer
 from tasks.envs import (
     Environment,

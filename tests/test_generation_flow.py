@@ -13,7 +13,7 @@ from prefect.cache_policies import NONE
 from prefect.testing.utilities import prefect_test_harness
 
 from configs import TINY_CONFIG, load_config
-from configs.schema import StorageConfig
+from configs.sections import StorageConfig
 from flows.generation import _record, _stop_if_the_environment_keeps_failing, dask_task_runner, fan_out, worker_state_released
 from infra.storage import open_run_store
 from tasks.generator import FAILED_GROUPS_IN_A_ROW_LIMIT

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from configs.schema import StorageConfig
+from configs.sections import StorageConfig
 from flows.generation import InFlightReport, _Chunk
 from infra.storage import open_run_store
 from tasks.lag import (

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from configs.schema import ModelConfig
+from configs.sections import ModelConfig
 from infra.modelfactory import (
     TASK_VOCABULARY,
     build_model,

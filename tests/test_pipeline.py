@@ -16,7 +16,7 @@ import pytest
 
 from configs import TINY_CONFIG
 from flows.cli import run_command
-from configs.schema import StorageConfig
+from configs.sections import StorageConfig
 from flows.pipeline import INTERRUPT_GRACE_SECONDS, score_snapshot
 from infra.prefect_server import descendants
 from infra.storage import open_run_store

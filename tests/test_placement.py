@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from configs.loader import ConfigError
-from configs.schema import RunConfig, TrainingConfig
+from configs.schema import RunConfig
+from configs.sections import TrainingConfig
 from infra.engines.fleet import EngineFleet
 from infra.modelfactory import load_model, load_tokenizer, load_trainable_model, save_tiny_model
 from tasks.checkpoints import load_checkpoint, save_checkpoint

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from configs.schema import StorageConfig
+from configs.sections import StorageConfig
 from tasks.envs import Environment, Prompt, StepResult
 from tasks.promotion import PROMOTED_KEY, promote_if_better, read_promoted
 from tasks.snapshots import pinned_versions

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from configs.schema import StorageConfig
+from configs.sections import StorageConfig
 from infra.storage import open_run_store
 from tasks.ledger import LEDGER_KEY, Ledger
 from tasks.metrics import MetricsLog, MetricsTail, read_metrics

@@ -31,7 +31,7 @@ from fastapi.testclient import TestClient
 from safetensors import SafetensorError
 from starlette.routing import Route
 
-from configs.schema import EngineConfig
+from configs.sections import EngineConfig
 from infra.engines.cpu import CpuEngine
 from infra.engines.process import cpu_engine_process
 from infra.engines.server import OPEN_PATHS, create_app, serve

@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from configs.fields import SGLANG_FLAGS_SET_BY_TANDEM
-from configs.schema import EngineConfig, ModelConfig
+from configs.sections import EngineConfig, ModelConfig
 from infra.engines import api
 from infra.engines import sglang as launcher
 from infra.engines.process import EngineProcess, EngineStartError

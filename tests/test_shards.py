@@ -24,7 +24,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from configs.schema import StorageConfig
+from configs.sections import StorageConfig
 from infra.seaweed import SeaweedServer, free_s3_port
 from infra.storage import RunStore, open_run_store
 from tasks.shards import (
@@ -389,7 +389,7 @@ def test_quarantine_finishes_after_an_interruption_and_never_overwrites(store: R
 CHILD_WRITER = """
 import json, sys, time
 sys.path.insert(0, {root!r})
-from configs.schema import StorageConfig
+from configs.sections import StorageConfig
 from infra.storage import open_run_store
 from tasks.shards import Rollout, rollouts_to_table, write_shard
 import random

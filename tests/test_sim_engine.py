@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from configs.schema import SimLatencyConfig
+from configs.sections import SimLatencyConfig
 from infra.engines.api import SamplingParams
 from infra.engines.scheduler import EngineStopped, GenerationJob
 from infra.engines.sim import SimEngine
@@ -119,7 +119,7 @@ def test_update_weights_takes_the_load_time_and_is_reported(model_dirs):
 def test_a_simulated_engine_imports_no_torch(model_dirs):
     """N simulated engines boot side by side with the trainer on 2 cores: torch (and transformers'
     model code, which imports it) cost each of them about 1.5 s of CPU at start-up."""
-    probe = ("import sys; from configs.schema import SimLatencyConfig; from infra.engines.server import create_app; "
+    probe = ("import sys; from configs.sections import SimLatencyConfig; from infra.engines.server import create_app; "
              "from infra.engines.sim import SimEngine; "
              f"engine = SimEngine({str(model_dirs[0])!r}, SimLatencyConfig()); create_app(engine); engine.shutdown(); "
              "print(len(engine.token_ids) > 0, engine.eos_token_id is not None, 'torch' in sys.modules)")  # fmt: skip

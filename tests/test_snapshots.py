@@ -21,7 +21,7 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
 from configs import TINY_CONFIG, load_config
-from configs.schema import ModelConfig
+from configs.sections import ModelConfig
 import infra.manifest as manifest_module
 from infra.manifest import (
     MANIFEST_FORMAT,

@@ -22,7 +22,7 @@ import fsspec
 import pytest
 from botocore.exceptions import ClientError, EndpointConnectionError, NoCredentialsError
 
-from configs.schema import StorageConfig
+from configs.sections import StorageConfig
 from infra import credentials
 from infra.s3 import rejection_reason
 from infra.seaweed import SeaweedServer, free_s3_port

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from configs.schema import ModelConfig, TrainingConfig
+from configs.sections import ModelConfig, TrainingConfig
 from infra.modelfactory import (
     TASK_VOCABULARY, build_model, load_model, load_reference_model, load_trainable_model, save_tiny_model,
 )

@@ -31,7 +31,7 @@ from typing import TypeVar
 
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
-from configs.schema import EngineConfig
+from configs.sections import EngineConfig
 from infra.engines.control import EngineControl, WeightSyncResult
 from infra.engines.process import EngineProcess, EngineStartError, cpu_engine_process
 from infra.ports import free_port_block, port_is_free, reserve_ports

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx
 
-from configs.schema import SimLatencyConfig
+from configs.sections import SimLatencyConfig
 from infra.engines.guard import guarded
 
 

@@ -36,7 +36,7 @@ from infra.engines.api import (
     PauseGenerationRequest,
     UpdateWeightsFromDiskRequest,
 )
-from configs.schema import SimLatencyConfig
+from configs.sections import SimLatencyConfig
 from infra.engines.scheduler import GenerationJob, ScheduledEngine
 from infra.engines.sim import SimEngine
 

@@ -23,7 +23,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from configs.schema import EngineConfig
+from configs.sections import EngineConfig
 from infra.engines.process import EngineProcess, EngineStartError, connect_host
 
 log = logging.getLogger(__name__)

@@ -46,7 +46,7 @@ from pathlib import Path
 
 from transformers import PreTrainedTokenizerFast
 
-from configs.schema import SimLatencyConfig
+from configs.sections import SimLatencyConfig
 from infra.engines.scheduler import GenerationJob, Sample, ScheduledEngine
 from infra.manifest import ManifestError, verify_local_dir
 
