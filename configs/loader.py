@@ -1,6 +1,8 @@
 """Loading a run configuration: YAML file -> `--set` overrides -> validated `RunConfig`.
 
-`load_config` is the one way a config enters tandem (CLI, flows, tests). Every failure, from a
+`load_config` is how a config file enters tandem (CLI, flows, tests); a config that arrives as
+a mapping (a run's recorded config.json) goes through `validate_config`, and a deployment's
+parameter is validated by Prefect into `RunConfig` itself. Every failure, from a
 YAML syntax error to an out-of-range field, raises `ConfigError` whose message names the field
 path and what is allowed, so the CLI can print it and exit 2 before anything is written.
 """

@@ -9,7 +9,7 @@ session of its own and stopped by its process group id, never by name.
 
 Two gotchas handled here: a worker started from a non-interactive shell
 inherits SIGINT ignored and then ignores SIGTERM too, so SIGINT is reset to the default in the
-child; and workers poll every 15 s by default, so `worker_env` sets a 1 s poll for tests.
+child; and workers poll every 15 s by default, so `start_worker` sets a 1 s poll for tests.
 """
 
 from __future__ import annotations

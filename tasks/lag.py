@@ -340,11 +340,6 @@ class SlotClaims:
         self.groups_per_step = groups_per_step
         self._next = self._first_unclaimed_hint()
 
-    @property
-    def next_slot(self) -> int:
-        """The slot the next claim tries first (a lower bound on what it will get)."""
-        return self._next
-
     def claim(self, capacity: int) -> int | None:
         """Claim the lowest free slot below `capacity`; None if every such slot is taken.
 
