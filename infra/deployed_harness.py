@@ -34,7 +34,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import time
 import uuid
 from contextlib import contextmanager
@@ -44,7 +43,7 @@ import httpx
 
 from configs import TINY_CONFIG, load_config
 from configs.sections import StorageConfig
-from infra.prefect_server import PrefectServer, start_worker, stop_process_group
+from infra.prefect_server import PrefectServer, installed_command, start_worker, stop_process_group
 from infra.storage import RunStore, open_run_store
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -68,11 +67,6 @@ run 29 s to start on two cores, longer than the rest of the run."""
 
 class HarnessError(RuntimeError):
     """A command of the harness failed, or something it waited for did not happen in time."""
-
-
-def bin_path(name: str) -> str:
-    """A command installed beside this Python (prefect, tandem)."""
-    return str(Path(sys.executable).with_name(name))
 
 
 def flow_run_id_from(cli_output: str) -> str:
@@ -102,7 +96,7 @@ class Deployment:
         }  # fmt: skip
         deployment = cls(server, env, bucket or f"deployed-{uuid.uuid4().hex[:8]}", server.home, s3_key, s3_secret)
         try:
-            deployment.cli(bin_path("tandem"), "deploy")
+            deployment.cli(installed_command("tandem"), "deploy")
             for pool in pools:
                 deployment.workers[pool] = start_worker(pool, env, server.home / f"worker-{pool}.log")
         except BaseException:
@@ -156,7 +150,7 @@ class Deployment:
 
     def start_pipeline(self, config: dict) -> str:
         """`prefect deployment run 'pipeline/tandem'`; returns the flow run id it printed."""
-        out = self.cli(bin_path("prefect"), "deployment", "run", "pipeline/tandem", "--param", f"config={json.dumps(config)}")
+        out = self.cli(installed_command("prefect"), "deployment", "run", "pipeline/tandem", "--param", f"config={json.dumps(config)}")
         return flow_run_id_from(out)
 
     def client(self):

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from datetime import timedelta
 from pathlib import Path
 
@@ -38,6 +37,7 @@ from prefect.events.schemas.events import ResourceSpecification
 from prefect.exceptions import ObjectNotFound
 
 from configs import ConfigError
+from infra.prefect_server import installed_command
 
 DEPLOY_TIMEOUT_S = 300
 HEARTBEAT_SECONDS = 30
@@ -100,8 +100,7 @@ def apply_deployments(project: Path, spec: dict) -> list[str]:
     ensure_work_pools(work_pools_of(spec))
     ours = sorted({d["name"] for d in spec.get("deployments", [])})
     active = _active_schedules(ours)
-    prefect = Path(sys.executable).with_name("prefect")
-    command = [str(prefect) if prefect.exists() else "prefect", "--no-prompt", "deploy", "--all"]
+    command = [installed_command("prefect"), "--no-prompt", "deploy", "--all"]
     # The pull step names the working directory as {{ $PWD }}: the project, wherever it lies.
     env = os.environ | {"PWD": str(project), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
     try:

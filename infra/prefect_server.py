@@ -27,9 +27,11 @@ import httpx
 from infra.ports import free_port_block
 
 
-def prefect_binary() -> str:
-    beside_python = Path(sys.executable).with_name("prefect")
-    return str(beside_python) if beside_python.exists() else "prefect"
+def installed_command(name: str) -> str:
+    """The console script `name` (prefect, tandem) installed beside this Python: a virtual
+    environment's, which PATH may not lead to; the bare name where there is none."""
+    beside_python = Path(sys.executable).with_name(name)
+    return str(beside_python) if beside_python.exists() else name
 
 
 def stop_temporary_server() -> None:
@@ -121,7 +123,7 @@ class PrefectServer:
         env = os.environ | self.env() | {"PREFECT_UI_API_URL": self.api_url}
         log = open(self.home / "server.log", "ab")
         self.process = subprocess.Popen(
-            [prefect_binary(), "server", "start", "--host", "127.0.0.1", "--port", str(self.port)],
+            [installed_command("prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(self.port)],
             stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True, preexec_fn=_default_sigint,
         )  # fmt: skip
         deadline = time.monotonic() + timeout_s
@@ -147,6 +149,6 @@ def start_worker(pool: str, env: dict[str, str], log_path: Path, query_seconds: 
     """`prefect worker start --pool POOL` in a session of its own, polling every `query_seconds`."""
     env = os.environ | env | {"PREFECT_WORKER_QUERY_SECONDS": str(query_seconds), "PREFECT_WORKER_PREFETCH_SECONDS": "5"}
     return subprocess.Popen(
-        [prefect_binary(), "worker", "start", "--pool", pool, "--type", "process"],
+        [installed_command("prefect"), "worker", "start", "--pool", pool, "--type", "process"],
         stdout=open(log_path, "ab"), stderr=subprocess.STDOUT, env=env, start_new_session=True, preexec_fn=_default_sigint,
     )  # fmt: skip

@@ -28,8 +28,9 @@ from configs import RunConfig
 from flows.scaling import scale_variable
 from flows.ui import artifact_key
 from benchmarks.prefect_restart import restart_mid_run
-from infra.deployed_harness import Deployment, bin_path, flow_run_id_from
+from infra.deployed_harness import Deployment, flow_run_id_from
 from infra.deployments import RUN_TAG, ensure_unresponsive_run_automation
+from infra.prefect_server import installed_command
 from tasks.metrics import read_metrics
 from tasks.promotion import PROMOTED_KEY, Promotion, read_promoted
 from tasks.shards import list_shards, parse_shard_key
@@ -41,7 +42,7 @@ S3_KEY, S3_SECRET = "deployed-test-key", "deployed-test-secret"
 ENGINE_KEY = "deployed-engine-key"
 
 
-_bin, _flow_run_id = bin_path, flow_run_id_from
+_bin, _flow_run_id = installed_command, flow_run_id_from
 
 
 @pytest.fixture(scope="module")
