@@ -27,7 +27,7 @@ from rich.table import Table
 from configs.schema import RunConfig
 from infra.storage import open_run_store
 from tasks.lag import read_trainer_state
-from tasks.metrics import MetricsTail
+from tasks.metrics import MetricsTail, generator_components
 from tasks.report import kept_train_steps, summary_rows
 
 
@@ -90,7 +90,7 @@ def watch_run(config: RunConfig, futures: list, poll_seconds: float = 1.0, conso
             finished = all(f.wrapped_future.done() for f in futures)
             try:
                 version = read_trainer_state(store).version
-                for name in _generator_files(store):
+                for name in generator_components(store):
                     tails.setdefault(name, MetricsTail(store, name))
                 records = {name: tail.records() for name, tail in tails.items()}
             except Exception as err:
@@ -119,10 +119,6 @@ def watch_run(config: RunConfig, futures: list, poll_seconds: float = 1.0, conso
             if finished:
                 return
             time.sleep(poll_seconds)
-
-
-def _generator_files(store) -> list[str]:
-    return [k.rsplit("/", 1)[-1].removesuffix(".jsonl") for k in store.list("metrics") if "/generator-" in k]
 
 
 def print_summary(summary: dict, run_url: str, console: Console | None = None) -> None:

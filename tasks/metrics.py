@@ -78,6 +78,12 @@ def read_metrics(store: RunStore, component: str) -> list[dict]:
     return [json.loads(line) for line in data.decode().splitlines() if line.strip()]
 
 
+def generator_components(store: RunStore) -> list[str]:
+    """The metrics components of the run's generators (`generator-gen0`, ...), from one listing."""
+    names = (key.rsplit("/", 1)[-1].removesuffix(".jsonl") for key in store.list(METRICS))
+    return [name for name in names if name.startswith("generator-")]
+
+
 class MetricsTail:
     """One component's records, read as its file grows: each `records()` fetches only the bytes
     written since the one before. A long run's files reach tens of MB (a generator writes a line

@@ -37,7 +37,7 @@ import pyarrow.parquet as pq  # noqa: E402
 from infra.storage import RunStore  # noqa: E402
 from tasks.failed_groups import failed_group_slots  # noqa: E402
 from tasks.ledger import COUNTS, LEDGER_KEY, Ledger  # noqa: E402
-from tasks.metrics import read_metrics  # noqa: E402
+from tasks.metrics import generator_components, read_metrics  # noqa: E402
 from tasks.shards import list_shards  # noqa: E402
 
 SUMMARY_KEY = "summary.json"
@@ -46,10 +46,8 @@ SUMMARY_KEY = "summary.json"
 def generator_records(store: RunStore) -> dict[str, dict]:
     """Shard key -> the generator's record of it, over every generator of the run."""
     records = {}
-    for key in store.list("metrics"):
-        name = key.rsplit("/", 1)[-1].removesuffix(".jsonl")
-        if name.startswith("generator-"):
-            records |= {r["key"]: r for r in read_metrics(store, name) if r["event"] == "group"}
+    for name in generator_components(store):
+        records |= {r["key"]: r for r in read_metrics(store, name) if r["event"] == "group"}
     return records
 
 
