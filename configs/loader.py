@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, SecretStr, ValidationError
 
+from configs.fields import MASKED_SECRET
 from configs.schema import RunConfig
 
 
@@ -146,6 +147,14 @@ def apply_override(data: dict[str, Any], override: str) -> None:
             raise ConfigError(f"--set {override!r}: {'.'.join(keys[: depth + 1])} is not a section")
         node = child
     node[keys[-1]] = value
+
+
+def without_masked_secrets(data: dict[str, Any]) -> dict[str, Any]:
+    """A config mapping as recorded (a run's config.json, a flow run's parameters on the Prefect
+    server) with each masked secret (`**********`, written in place of one) read as unset: the
+    secret itself is not there, and the mask is refused as a value."""
+    return {name: {key: None if value == MASKED_SECRET else value for key, value in section.items()} if isinstance(section, dict) else section
+            for name, section in data.items()}  # fmt: skip
 
 
 def validate_config(data: dict[str, Any]) -> RunConfig:

@@ -27,7 +27,7 @@ import yaml
 from rich.console import Console
 from rich.markup import escape
 
-from configs import RunConfig
+from configs import ConfigError, RunConfig
 from configs.fields import MAX_GENERATION_RUNS
 from flows.preflight import (
     err_console, exits_on_run_errors, fail, load_deployment_spec, note_all, prefect_server_reached, prefect_server_url,
@@ -102,8 +102,10 @@ def run(
         require_child_deployments(resolved.prefect.deployment)
     from infra.storage import open_run_store
     from tasks.lag import read_trainer_state
-    from tasks.lease import check_run_free
-    from tasks.rundir import check_recorded_config, check_run_inputs, check_run_writable, pretrained_model_notes, prompt_vocabulary_notes
+    from tasks.lease import RunInUse, check_run_free
+    from tasks.rundir import (
+        RunConflict, check_recorded_config, check_run_inputs, check_run_writable, pretrained_model_notes, prompt_vocabulary_notes,
+    )  # fmt: skip
 
     with exits_on_run_errors(f"storage.root {resolved.storage.root}"):  # here too: one line, not a failed flow run
         store = open_run_store(resolved.storage, resolved.run_id)
@@ -123,8 +125,12 @@ def run(
         require_engine_backend(resolved)
     from flows.pipeline import pipeline  # Prefect, torch and the flows (8 s): after the checks
 
-    with exits_on_run_errors(f"storage.root {resolved.storage.root}"):  # the run taken since the check, say
+    try:  # not storage's errors: an outage hours into the run keeps its traceback
         pipeline(resolved)
+    except (RunConflict, ConfigError) as err:
+        fail(str(err))
+    except RunInUse as err:  # taken between the check above and the pipeline's claim
+        fail(str(err), code=1)
 
 
 def run_command(config: Path, overrides: list[str]) -> list[str]:
@@ -206,12 +212,12 @@ def scale(
         if (running := running_pipeline(run_id)) is None:
             fail(f"no pipeline of run {run_id!r} is running on {url}: nothing to scale", code=1)
         pipeline_run, started_with = running
-        if started_with.prefect.mode == "local":
+        if started_with is not None and started_with.prefect.mode == "local":
             fail(f"run {run_id} runs in local mode (prefect.mode: local): its {started_with.prefect.generators} generation "
                  "subflows share one process, which no scale request reaches; start it with prefect.mode: deployed to scale it", code=1)  # fmt: skip
         Variable.set(scale_variable(run_id), scale_request(generators, str(pipeline_run.id)), overwrite=True)
     console.print(f"run {run_id}: asked for {generators} generation run{'s' if generators != 1 else ''} (variable {scale_variable(run_id)})")
-    if (policy := started_with.prefect.autoscale) is not None:
+    if started_with is not None and (policy := started_with.prefect.autoscale) is not None:
         bounded = policy.bounded(generators)
         takes = f"it takes {bounded} (prefect.autoscale's min {policy.min}, max {policy.max}), and" if bounded != generators else "and"
         console.print(f"note: run {run_id} autoscales: {takes} its measurements may move it again "

@@ -27,6 +27,7 @@ from prefect.client.schemas.objects import FlowRun, StateType
 from prefect.variables import Variable
 
 from configs import DEPLOYED_CONFIG, load_config
+from configs.loader import validate_config, without_masked_secrets
 from configs.schema import RunConfig
 from infra.deployments import RUN_TAG
 
@@ -87,28 +88,33 @@ def tag_for_scaling(flow_run_id) -> None:
             client.update_flow_run(flow_run_id, tags=[*run.tags, RUN_TAG])
 
 
-def running_pipeline(run_id: str) -> tuple[FlowRun, RunConfig] | None:
+def running_pipeline(run_id: str) -> tuple[FlowRun, RunConfig | None] | None:
     """The deployed pipeline run of run `run_id` that the server has Running, if there is one,
-    and the config it runs: what a `tandem scale` request reaches (it is cleared when a pipeline
-    of the run starts and ends). Runs of tandem's deployments carry the tag RUN_TAG; a local
-    `tandem run` reads no request, and another project's flow named pipeline is not tandem's."""
+    and the config it runs (None if it does not validate here): what a `tandem scale` request
+    reaches (it is cleared when a pipeline of the run starts and ends). Runs of tandem's
+    deployments carry the tag RUN_TAG; a local `tandem run` reads no request, and another
+    project's flow named pipeline is not tandem's."""
     running = FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.RUNNING])),
                             tags=FlowRunFilterTags(all_=[RUN_TAG]))  # fmt: skip
     with get_client(sync_client=True) as client:
         runs = client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["pipeline"])), flow_run_filter=running)
+    default = load_config(DEPLOYED_CONFIG).run_id
     for run in runs:
-        if (config := pipeline_config(run.parameters)) is not None and config.run_id == run_id:
-            return run, config
+        given = run.parameters.get("config")
+        named = run.parameters.get("run_id") or (given.get("run_id", RunConfig().run_id) if isinstance(given, dict) else default)
+        if named == run_id:
+            return run, pipeline_config(run.parameters)
     return None
 
 
 def pipeline_config(parameters: dict) -> RunConfig | None:
     """The config a pipeline run started with these parameters runs, as flows/pipeline.py resolves
-    them: its config parameter or configs/deployed.yaml's, with its run_id parameter over either.
-    None where they do not validate: such a run failed as it started."""
+    them: its config parameter or configs/deployed.yaml's, with its run_id parameter over either;
+    the server keeps secrets masked, which are read as unset. None where it does not validate
+    here (a run started by another release of tandem, say)."""
     given = parameters.get("config")
     try:
-        config = RunConfig.model_validate(given) if isinstance(given, dict) else load_config(DEPLOYED_CONFIG)
+        config = validate_config(without_masked_secrets(given)) if isinstance(given, dict) else load_config(DEPLOYED_CONFIG)
         if run_id := parameters.get("run_id"):
             config = RunConfig.model_validate(config.model_dump() | {"run_id": run_id})
     except ValueError:

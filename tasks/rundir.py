@@ -19,8 +19,8 @@ from typing import Any
 
 from pydantic_core import to_jsonable_python
 
-from configs.loader import ConfigError, apply_override, section_model, validate_config
-from configs.fields import MASKED_SECRET, is_run_id
+from configs.loader import ConfigError, apply_override, section_model, validate_config, without_masked_secrets
+from configs.fields import is_run_id
 from configs.schema import PRETRAINED_TRAINING_DEFAULTS, RunConfig
 from infra.modelfactory import build_tokenizer, given_model_dir, load_tokenizer, load_trainable_model, prepare_initial_model
 from infra.storage import RunStore, StorageRejected, open_run_store
@@ -113,11 +113,7 @@ def load_run_config(run_url: str, overrides: list[str] | tuple[str, ...] = ()) -
         recorded = read_recorded_config(store)
     except FileNotFoundError:
         raise RunMissing(f"no {CONFIG_KEY} in {store.url}: not a tandem run directory") from None
-    for section in recorded.values():
-        if isinstance(section, dict):
-            for key, value in list(section.items()):
-                if value == MASKED_SECRET:
-                    section[key] = None
+    recorded = without_masked_secrets(recorded)
     recorded["run_id"] = run_id  # the run the URL names, wherever it was started (a relative
     recorded.setdefault("storage", {})["root"] = root  # root names another place from elsewhere)
     for override in overrides:

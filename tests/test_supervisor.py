@@ -325,6 +325,9 @@ def test_tandem_scale_reads_the_config_of_the_run_it_asks():
     renamed = pipeline_config({"config": RunConfig(run_id="given").as_parameters(secrets=False), "run_id": "over"})
     assert (renamed.run_id, renamed.prefect.mode) == ("over", "local")
     assert pipeline_config({"config": {"prefect": {"mode": "elsewhere"}}}) is None
+    stored = RunConfig.model_validate({"run_id": "keyed", "engine": {"api_key": "k"}}).model_dump(mode="json")
+    assert stored["engine"]["api_key"] == "**********", "as the server keeps a `tandem run` pipeline's parameters"
+    assert pipeline_config({"config": stored}).engine.api_key is None, "the mask read as unset, not refused"
 
 
 def test_a_cancelled_generator_is_one_fewer_not_a_crash(file_store):
