@@ -208,9 +208,11 @@ def _generate(config: RunConfig, producer: str, cache: Path, pipeline: PipelineW
                 metrics.log("engines_restarted", version=fleet.version, engines=fleet.describe(), restarts=fleet.restarts)
             for chunk in [c for c in in_flight if c.future.wrapped_future.done()]:
                 in_flight.remove(chunk)
-                unchecked += _record(metrics, totals, results := chunk.future.result(), fleet.version)
-                _stop_if_the_environment_keeps_failing(totals)
-                if aborted := generator.requeue_unfinished(chunk.slots, results):
+                results = chunk.future.result()
+                aborted, set_aside = generator.requeue_unfinished(chunk.slots, results)
+                unchecked += _record(metrics, totals, [*results, *set_aside], fleet.version)
+                _stop_if_groups_keep_failing(totals)
+                if aborted:
                     metrics.log("groups_aborted", slots=aborted)
             try:
                 if timings := generator.refresh_weights(while_loading=start_chunks):
@@ -402,8 +404,8 @@ def _recover_records(metrics: MetricsLog, generator: Generator, samples: int) ->
 
 def _record(metrics: MetricsLog, totals: dict, results: list[GroupResult], version: int) -> list[str]:
     """Log each committed group once, also one that a failed attempt of its chunk committed, and
-    each group its environment failed (set aside: tasks/failed_groups.py), and count those in a
-    row; returns the committed groups' keys."""
+    each group that failed (set aside: tasks/failed_groups.py), and count those in a row; returns
+    the committed groups' keys."""
     for result in results:
         if result.key in totals.setdefault("keys", set()):
             continue
@@ -425,11 +427,12 @@ def _record(metrics: MetricsLog, totals: dict, results: list[GroupResult], versi
     return [result.key for result in results if result.failure is None]
 
 
-def _stop_if_the_environment_keeps_failing(totals: dict) -> None:
-    """EnvironmentFailed once FAILED_GROUPS_IN_A_ROW_LIMIT groups in a row have failed: a bug or
-    a tool that is down, which setting groups aside would only carry through the data set."""
+def _stop_if_groups_keep_failing(totals: dict) -> None:
+    """EnvironmentFailed once FAILED_GROUPS_IN_A_ROW_LIMIT groups in a row have failed: a bug, a
+    tool that is down, or engines that abort every request, which setting groups aside would
+    only carry through the data set."""
     if totals.get("failed_in_a_row", 0) >= FAILED_GROUPS_IN_A_ROW_LIMIT:
         raise EnvironmentFailed(
-            f"{totals['failed_in_a_row']} groups in a row failed in the environment, each set aside with its traceback in "
-            f"quarantine/failed-groups/: a bug or a tool that is down, not bad luck. The last: {totals['last_failure']}"
+            f"{totals['failed_in_a_row']} groups in a row failed, each set aside with its error in quarantine/failed-groups/: "
+            f"a bug, a tool that is down, or engines that abort every request; not bad luck. The last: {totals['last_failure']}"
         )  # fmt: skip

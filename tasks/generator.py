@@ -47,8 +47,8 @@ MAX_ABORTS_PER_SLOT = 3
 REJECTION_RECHECK_SECONDS = 5.0
 """How often a generator looks whether a snapshot it rejected has been committed again."""
 FAILED_GROUPS_IN_A_ROW_LIMIT = 32
-"""Groups whose environment failed, one after another at a generator, that stop the run: an
-environment that fails every episode (a bug, a tool server that is down) stops it within two
+"""Groups that failed (their environment, or an abort at every try), one after another at a
+generator, that stop the run: an environment that fails every episode (a bug, a tool server that is down) stops it within two
 chunks or so, where setting each group aside would go through the whole data set; one that fails
 now and then (a flaky sandbox) costs only the groups it fails. Counted in the order groups finish,
 in which failures that come fast bunch: 8 stopped about 7% of 16-group chunks at a 30% failure
@@ -206,10 +206,10 @@ class Generator:
         del self.rejected_snapshots[version]
         return True
 
-    def requeue_unfinished(self, slots: list[int], results: list[GroupResult]) -> list[int]:
+    def requeue_unfinished(self, slots: list[int], results: list[GroupResult]) -> tuple[list[int], list[GroupResult]]:
         """Put the `slots` of a finished chunk that have no result (their groups were aborted:
-        an engine's or an operator's abort, not this run's end) first in line again, and return
-        them. A claimed slot is this producer's alone, so left uncommitted it would hold its share
+        an engine's or an operator's abort, not this run's end) first in line again; returns
+        them, and the results of those set aside (below) for the flow to count as failures. A claimed slot is this producer's alone, so left uncommitted it would hold its share
         of the admission window for good and, at max_lag 0, stall the trainer one group short.
         After training has finished they stay claimed, for a continued run to make.
 
@@ -219,25 +219,25 @@ class Generator:
         as the generator ran, and at max_lag 0 the trainer waited for it for good."""
         unfinished = sorted(set(slots) - {result.slot for result in results})
         if not unfinished or read_trainer_state(self.store).done:
-            return []
+            return [], []
         self.aborts.update(unfinished)
         given_up = [slot for slot in unfinished if self.aborts[slot] > MAX_ABORTS_PER_SLOT]
-        if given_up:
-            self._set_aside_aborted(given_up)
         requeued = [slot for slot in unfinished if slot not in given_up]
         self.orphans.extend(requeued)
-        return requeued
+        return requeued, self._set_aside_aborted(given_up) if given_up else []
 
-    def _set_aside_aborted(self, slots: list[int]) -> None:
-        error = (f"its requests were aborted {MAX_ABORTS_PER_SLOT + 1} times (an abort that every try meets: a prompt "
+    def _set_aside_aborted(self, slots: list[int]) -> list[GroupResult]:
+        error = (f"its requests were aborted {MAX_ABORTS_PER_SLOT + 1} times: an abort that every try meets (a prompt "
                  "longer than the engines' context or KV cache? an operator's abort_request?)")  # fmt: skip
         committed = set(committed_slots(self.store))  # a concurrent try of its chunk may have made it: it stands
+        set_aside = []
         for slot in [s for s in slots if s not in committed]:
-            prompt = self.prompts[slot % len(self.prompts)]
+            prompt, now = self.prompts[slot % len(self.prompts)], time.time()
             record = {"slot": slot, "producer": self.producer, "prompt_id": prompt.prompt_id, "env": self.config.env.entrypoint,
-                      "error": error, "failed_at": time.time()}  # fmt: skip
+                      "error": error, "failed_at": now}  # fmt: skip
             key = set_aside_group(self.store, slot, record)
-            log.warning("%s: slot %d's group %s; set aside as %s, and another group is made in its place", self.producer, slot, error, key)
+            set_aside.append(GroupResult(slot, key, True, 0, 0.0, self.loaded_version, now, now, failure=error))
+        return set_aside
 
     def claim_specs(self, most: int, held: int = 0, producers: int = 1, new_claims: bool = True) -> list[GroupSpec]:
         """Up to `most` slots to generate: this producer's orphans first, then (unless

@@ -7,8 +7,8 @@
    dropping what is left there as stale, as it does with the groups generators report as
    committed after that look (tasks/lag.py "Late groups"). Groups are picked oldest first (tasks/lag.py
    `select_batch`), read and validated; a bad shard goes to quarantine and another group
-   takes its place, as a group that a generator set aside when its environment failed
-   (tasks/failed_groups.py) does; with training.dynamic_sampling a group whose rewards are all one is
+   takes its place, as a group that a generator set aside when it failed (its environment, or
+   an abort at every try: tasks/failed_groups.py) does; with training.dynamic_sampling a group whose rewards are all one is
    dropped, and another takes its place. It waits (polling, counted as idle time) until
    `prompts_per_step` trainable groups are there, and while a batch would take younger groups before the
    last-chance groups still in flight (tasks/lag.py `waits_for_last_chance`).
@@ -28,6 +28,7 @@ the future and generated again.
 from __future__ import annotations
 
 import json
+import logging
 import tempfile
 import time
 from collections import Counter
@@ -54,12 +55,14 @@ from tasks.lag import (
 )  # fmt: skip
 from tasks.loss import group_advantages
 from tasks.metrics import MetricsLog
-from tasks.shards import ValidShards, list_shards, parse_shard_key, quarantined_keys, read_valid_shards, table_to_rollouts
+from tasks.shards import ValidShards, list_shards, parse_shard_key, quarantine_shard, quarantined_keys, read_valid_shards, table_to_rollouts
 from tasks.snapshots import (
     apply_retention, latest_version, load_snapshot, manifest_digest, publish_snapshot, read_rejection_report, recommit_snapshot,
     rejection_reports, snapshot_versions,
 )  # fmt: skip
 from tasks.trainer import Trainer, build_batch
+
+log = logging.getLogger(__name__)
 
 REPAIR_AFTER_WAIT_SECONDS = 20.0
 """How long an admission waits before the trainer answers reports of a damaged snapshot."""
@@ -314,14 +317,15 @@ class Learner:
         one is keyed at the resumed version (its lowest), so nothing else tells it apart once
         the trainer has published the withdrawn number again."""
         model = self.trainer.model.config
+        found = read_valid_shards(self.store, keys, current_version=self.version, vocab_size=model.vocab_size,
+                                  context_length=model.max_position_embeddings, max_rows=self.config.generation.samples_per_prompt)  # fmt: skip
         resumed, before = self.resumed_over
-        found = ValidShards()
-        for current, part in ((resumed, [k for k in keys if k in before]), (self.version, [k for k in keys if k not in before])):
-            read = read_valid_shards(self.store, part, current_version=current, vocab_size=model.vocab_size,
-                                     context_length=model.max_position_embeddings, max_rows=self.config.generation.samples_per_prompt)  # fmt: skip
-            found.tables.update(read.tables)
-            found.quarantined.update(read.quarantined)
-        found.tables = {key: found.tables[key] for key in keys if key in found.tables}  # in the order given
+        for key in [k for k, table in found.tables.items() if k in before and pc.max(table["policy_version"]).as_py() > resumed]:
+            newest = pc.max(found.tables.pop(key)["policy_version"]).as_py()
+            reason = (f"policy_version {newest} is past v{resumed}, the version this trainer resumed at, and the shard was committed "
+                      "before it resumed: played on a snapshot the restart withdrew")  # fmt: skip
+            log.warning("quarantined shard %s to %s: %s", key, quarantine_shard(self.store, key, self.store.read_bytes(key), reason), reason)
+            found.quarantined[key] = reason
         return found
 
     def _drops_without_signal(self, table: pa.Table) -> bool:
@@ -356,7 +360,7 @@ class Learner:
 
     def _count_quarantined(self) -> None:
         """Count lost the groups in quarantine/ that this trainer has not disposed of: those a
-        generator set aside when their environment failed (tasks/failed_groups.py, no samples),
+        generator set aside as failed (tasks/failed_groups.py, no samples),
         and the shards a dead trainer quarantined after its last checkpoint. Lost, they are owed a
         replacement: the capacity they held would otherwise stall the run (at max_lag 0, one group
         short). One listing each, at each admission and every LATE_CHECK_SECONDS of its wait."""

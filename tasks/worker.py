@@ -84,8 +84,8 @@ class GroupResult:
     tokens: int = 0
     """Tokens the model generated in the group (its loss-mask tokens)."""
     failure: str | None = None
-    """Why the environment failed the group, which was set aside (`key`: its record's,
-    tasks/failed_groups.py) instead of committed; None for a committed group."""
+    """Why the group failed (its environment, or an abort at every try) and was set aside
+    (`key`: its record's, tasks/failed_groups.py) instead of committed; None for a committed group."""
 
 
 def generate_group(spec: GroupSpec) -> GroupResult | None:

@@ -14,7 +14,7 @@ from prefect.testing.utilities import prefect_test_harness
 
 from configs import TINY_CONFIG, load_config
 from configs.sections import StorageConfig
-from flows.generation import _record, _stop_if_the_environment_keeps_failing, dask_task_runner, fan_out, worker_state_released
+from flows.generation import _record, _stop_if_groups_keep_failing, dask_task_runner, fan_out, worker_state_released
 from infra.storage import open_run_store
 from tasks.generator import FAILED_GROUPS_IN_A_ROW_LIMIT
 from tasks.metrics import MetricsLog, read_metrics
@@ -125,9 +125,9 @@ def test_failed_groups_are_logged_apart_and_enough_in_a_row_stop_the_run(tmp_pat
     assert committed == [shard_key(0, "gen0", 0), shard_key(0, "gen0", limit)]
     assert (totals["groups"], totals["samples"], totals["groups_failed"]) == (2, 8, limit - 1)
     assert [r["slot"] for r in read_metrics(store, "generator-gen0") if r["event"] == "group_failed"] == list(range(1, limit))
-    _stop_if_the_environment_keeps_failing(totals)  # the run of failures ended at slot `limit`
+    _stop_if_groups_keep_failing(totals)  # the run of failures ended at slot `limit`
     failing = [result(s, f"E{s}") for s in range(limit + 1, 2 * limit + 1)]
     assert _record(metrics, totals, [*failing, result(2 * limit + 1, "E")], version=0) == []
     assert totals["groups_failed"] == 2 * limit
-    with pytest.raises(EnvironmentFailed, match=rf"^{limit + 1} groups in a row failed in the environment.*The last: E$"):
-        _stop_if_the_environment_keeps_failing(totals)
+    with pytest.raises(EnvironmentFailed, match=rf"^{limit + 1} groups in a row failed, each set aside.*The last: E$"):
+        _stop_if_groups_keep_failing(totals)

@@ -101,19 +101,22 @@ def test_a_group_whose_requests_are_aborted_is_not_committed_and_is_generated_ag
     playing.join(timeout=30)
     assert results == [None]
     assert list_shards(store) == []
-    assert gen.requeue_unfinished([spec.slot], []) == [spec.slot]  # its slot is claimed: nobody else would make it
+    assert gen.requeue_unfinished([spec.slot], []) == ([spec.slot], [])  # its slot is claimed: nobody else would make it
     (again,) = gen.claim_specs(1)
     assert again.slot == spec.slot
     assert generate_group(again) is not None and len(list_shards(store)) == 1
-    assert [gen.requeue_unfinished([9], []) for _ in range(4)] == [[9], [9], [9], []], "an abort every try meets: given up"
+    tries = [gen.requeue_unfinished([9], []) for _ in range(4)]
+    assert [requeued for requeued, _ in tries] == [[9], [9], [9], []], "an abort every try meets: given up"
     (key,) = failed_group_slots(store).values()  # set aside: the trainer counts it lost, and another group takes its place
+    (failed,) = tries[-1][1]  # counted by the flow as a failed group, toward FAILED_GROUPS_IN_A_ROW_LIMIT
+    assert (failed.slot, failed.key, failed.samples) == (9, key, 0) and "aborted 4 times" in failed.failure
     record = json.loads(store.read_bytes(key))
     assert (record["slot"], record["producer"], record["prompt_id"]) == (9, gen.producer, gen.prompts[9 % len(gen.prompts)].prompt_id)
-    assert "aborted 4 times" in record["error"]
-    assert [gen.requeue_unfinished([spec.slot], []) for _ in range(4)][-1] == []
+    assert record["error"] == failed.failure
+    assert [gen.requeue_unfinished([spec.slot], []) for _ in range(4)][-1] == ([], [])
     assert set(failed_group_slots(store)) == {9}, "a slot a concurrent try committed stands"
     publish_trainer_state(store, TrainerState(version=0, done=True))
-    assert gen.requeue_unfinished([7], []) == []  # a finished run's aborted groups stay for a continued run
+    assert gen.requeue_unfinished([7], []) == ([], [])  # a finished run's aborted groups stay for a continued run
 
 
 def test_a_generator_takes_its_share_of_the_window_and_leaves_the_rest_to_the_others(generator):

@@ -111,9 +111,9 @@ def test_scaling_down_retires_the_highest_id_and_scaling_up_skips_a_retiring_one
 
 @pytest.mark.parametrize("claimed, stops", [(0, False), (PER_STEP + 1, True)])
 def test_a_retiring_generator_that_ends_with_claims_left_is_counted_as_given_up(file_store, claimed, stops):
-    """A retiring generator leaves Completed with the slots it gave up on (aborted again and
-    again) still claimed; no run of its id comes back for them, and the parent dropped it without
-    counting them: past what the lag window spares, the trainer waited for good, unexplained."""
+    """A retiring generator that leaves Completed with slots still claimed: no run of its id
+    comes back for them, and the parent dropped it without counting them: past what the lag
+    window spares, the trainer waited for good, unexplained."""
     parent = parent_of(file_store, max_lag=1, restarts=1)
     child(parent, "gen0", Running())
     child(parent, "gen1", Completed(), retiring=True)
