@@ -55,7 +55,7 @@ from flows.ui import api_unavailable
 from infra.deployments import UNRESPONSIVE_MESSAGE
 from infra.storage import StorageUnavailable, open_run_store
 from tasks.autoscale import autoscale_target, generator_wait_fraction, trainer_idle_fraction
-from tasks.lag import SlotClaims, live_producers, request_retire, request_stop, stop_reason, withdraw_retire
+from tasks.lag import SlotClaims, live_producers, read_trainer_state, request_retire, request_stop, stop_reason, withdraw_retire
 from tasks.lease import PipelineWatch
 from tasks.metrics import MetricsTail
 from tasks.failed_groups import spent_slots
@@ -431,6 +431,8 @@ class Supervisor:
                 continue
             del self.retiring[producer]
             self.give_up(f"retiring generation {producer}", producer, state)
+        if len(self.generators) < wanted and not self.gave_up and read_trainer_state(self.store).done:
+            return  # its generators complete as they see it: one started now would boot its engines and leave
         while len(self.generators) < wanted and not self.gave_up:
             taken = self.generators.keys() | self.retiring.keys()
             producer = next(f"gen{i}" for i in range(len(taken) + 1) if f"gen{i}" not in taken)
@@ -440,7 +442,12 @@ class Supervisor:
             producer = max(self.generators, key=lambda p: int(p.removeprefix("gen")))
             self.log.info("scaling down to %d generation run(s): retiring %s", wanted, producer)
             request_retire(self.store, producer)
-            self.retiring[producer] = self.generators.pop(producer)
+            self.retiring[producer] = run_id = self.generators.pop(producer)
+            if self.client.read_flow_run(run_id).state.type == StateType.SCHEDULED and not self.unfinished_claims(producer):
+                # No worker has it yet, and it has nothing to finish: it would only boot its engines
+                # to leave. Should a worker take it meanwhile, it sees the retire request and leaves.
+                self.client.set_flow_run_state(run_id, Cancelled(), force=True)
+                self.log.info("%s had not started: cancelled", producer)
 
     def drain(self, seconds: float, cancel_wait: float | None = None) -> None:
         """Give the generation runs `seconds` to stop by themselves, then cancel what still runs

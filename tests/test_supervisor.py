@@ -23,7 +23,7 @@ import flows.supervisor as supervisor
 from configs.schema import RunConfig
 from flows.scaling import clear_scale_request, pipeline_config, running_pipeline, scale_request, scale_variable, tag_for_scaling
 from flows.supervisor import Supervisor
-from tasks.lag import SlotClaims, request_retire, retire_requested, stop_reason
+from tasks.lag import SlotClaims, TrainerState, publish_trainer_state, request_retire, retire_requested, stop_reason
 from tasks.failed_groups import set_aside_group
 from tasks.metrics import MetricsLog
 
@@ -38,6 +38,9 @@ class ChildStates:
 
     def read_flow_run(self, run_id):
         return SimpleNamespace(state=self.states.get(run_id, Running()), name=f"run-{run_id}", work_pool_name="training")
+
+    def set_flow_run_state(self, run_id, state, force=False):
+        self.states[run_id] = state
 
 
 def parent_of(store, max_lag: int, restarts: int) -> Supervisor:
@@ -107,6 +110,34 @@ def test_scaling_down_retires_the_highest_id_and_scaling_up_skips_a_retiring_one
     assert retire_requested(file_store, "gen1") and not retire_requested(file_store, "gen0")
     parent.scale_to(2)
     assert parent.started == ["gen2"], "gen1's id is still its retiring run's"
+
+
+@pytest.mark.parametrize("claimed", [0, 2])
+def test_scaling_down_cancels_a_run_no_worker_has_taken_unless_it_has_claims_to_finish(file_store, claimed):
+    """Retired, a run still waiting for a worker booted its engines only to leave (minutes of
+    GPUs with SGLang); one restarted with its earlier life's claims must run to finish them."""
+    parent = parent_of(file_store, max_lag=1, restarts=1)
+    child(parent, "gen0", Running())
+    child(parent, "gen1", Scheduled())
+    claim_slots(file_store, "gen1", claimed)
+    waiting = parent.generators["gen1"]
+    parent.scale_to(1)
+    assert parent.retiring == {"gen1": waiting} and retire_requested(file_store, "gen1")
+    assert parent.client.states[waiting].type == (StateType.CANCELLED if not claimed else StateType.SCHEDULED)
+    parent.scale_to(1)
+    assert parent.retiring == ({} if not claimed else {"gen1": waiting}) and parent.started == []
+
+
+@pytest.mark.parametrize("done", [False, True])
+def test_a_generator_that_completes_as_training_ends_is_not_replaced(file_store, done):
+    """A generation run completes when it sees the trainer done, which the parent may see before
+    the training run's own end: it started another, which booted its engines and left."""
+    parent = parent_of(file_store, max_lag=1, restarts=1)
+    child(parent, "gen0", Completed())
+    publish_trainer_state(file_store, TrainerState(version=4, done=done))
+    parent.restart_failed_generators()
+    parent.scale_to(1)
+    assert parent.generators.keys() == (set() if done else {"gen0"}) and parent.started == ([] if done else ["gen0"])
 
 
 @pytest.mark.parametrize("claimed, stops", [(0, False), (PER_STEP + 1, True)])
