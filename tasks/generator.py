@@ -48,11 +48,11 @@ REJECTION_RECHECK_SECONDS = 5.0
 """How often a generator looks whether a snapshot it rejected has been committed again."""
 FAILED_GROUPS_IN_A_ROW_LIMIT = 32
 """Groups that failed (their environment, or an abort at every try), one after another at a
-generator, that stop the run: an environment that fails every episode (a bug, a tool server that is down) stops it within two
-chunks or so, where setting each group aside would go through the whole data set; one that fails
-now and then (a flaky sandbox) costs only the groups it fails. Counted in the order groups finish,
-in which failures that come fast bunch: 8 stopped about 7% of 16-group chunks at a 30% failure
-rate; 32 in a row is about 2e-10 at 50%."""
+generator, that stop the run: an environment that fails every episode (a bug, a tool server that is
+down) stops it within two chunks or so, where setting each group aside would go through the whole
+data set; one that fails now and then (a flaky sandbox) costs only the groups it fails. Counted in
+the order groups finish, in which failures that come fast bunch: 8 stopped about 7% of 16-group
+chunks at a 30% failure rate; 32 in a row is about 2e-10 at 50%."""
 ENGINE_RESTART_MARGIN_SECONDS = 60.0
 """A request's wait for an engine beyond the engines' restart time: the generator notices the
 death at its next loop turn, and the client's probe the restarted engine within a second."""
@@ -209,8 +209,9 @@ class Generator:
     def requeue_unfinished(self, slots: list[int], results: list[GroupResult]) -> tuple[list[int], list[GroupResult]]:
         """Put the `slots` of a finished chunk that have no result (their groups were aborted:
         an engine's or an operator's abort, not this run's end) first in line again; returns
-        them, and the results of those set aside (below) for the flow to count as failures. A claimed slot is this producer's alone, so left uncommitted it would hold its share
-        of the admission window for good and, at max_lag 0, stall the trainer one group short.
+        them, and the results of those set aside (below) for the flow to count as failures. A
+        claimed slot is this producer's alone, so left uncommitted it would hold its share of the
+        admission window for good and, at max_lag 0, stall the trainer one group short.
         After training has finished they stay claimed, for a continued run to make.
 
         A slot aborted more than MAX_ABORTS_PER_SLOT times, whose abort every try meets, is set

@@ -1,12 +1,12 @@
 """The engine contract: pydantic models of the part of SGLang's native HTTP API that tandem uses.
 
 One definition shared by the client (the sampling parameters it sends), the CPU and simulated
-engines (what they accept and answer) and tests/test_sglang_compat.py, which checks every field
-name here against the names recorded from SGLang's own source (tests/fixtures/sglang_api.json):
-the response models are that record of what SGLang answers. The client reads an answer's few
-fields itself (infra/engines/client.py `generate_answer`), so that an answer it cannot use is a
-failed try, named, rather than a validation error of fields it never reads. Requests forbid unknown keys,
-so a misspelt field is a 4xx rather than a silently ignored knob (SGLang itself rejects unknown
+engines (what they accept and answer) and tests/test_sglang_compat.py, which checks every field name
+here against the names recorded from SGLang's own source (tests/fixtures/sglang_api.json): the
+response models are that record of what SGLang answers. The client reads an answer's few fields
+itself (infra/engines/client.py `generate_answer`), so that an answer it cannot use is a failed try,
+named, rather than a validation error of fields it never reads. Requests forbid unknown keys, so a
+misspelt field is a 4xx rather than a silently ignored knob (SGLang itself rejects unknown
 sampling_params keys and ignores unknown top-level ones). Responses ignore unknown keys: SGLang
 answers with many more than tandem reads.
 
