@@ -268,11 +268,9 @@ def restart_run(tmp_path: Path) -> Learner:
     return resumed
 
 
-def test_a_restarted_run_withdraws_what_the_dead_trainer_published_after_its_checkpoint(tmp_path: Path):
-    """The trainer checkpointed at v1, stepped to v2, published it, and died; generators played
-    groups on its v2. The resumed trainer publishes other weights as v2: the old v2 goes, LATEST
-    and the trainer state say v1 again, and the groups played on the old v2 are quarantined as
-    from the future and owed again. Before, they waited for the new v2 and were trained as its."""
+def dead_after_publishing_v2(tmp_path: Path) -> tuple[Learner, list[str]]:
+    """A trainer that checkpointed at v1, stepped to v2 on the groups it returns, published v2 and
+    died."""
     learner = make_learner(tmp_path)
     publish_snapshot(learner.store, learner.trainer.model, learner.tokenizer, 0)  # the run's v0, as `tandem init` commits it
     for slot in range(2):
@@ -280,7 +278,16 @@ def test_a_restarted_run_withdraws_what_the_dead_trainer_published_after_its_che
     learner.train_step(learner.admit_batch(poll_seconds=0.01))
     learner._checkpoint()  # the checkpoint at v1
     second = [write_group(learner, f"s{slot:08d}", seq=slot) for slot in range(2, 4)]
-    learner.train_step(learner.admit_batch(poll_seconds=0.01))  # v2 published, then the trainer dies
+    learner.train_step(learner.admit_batch(poll_seconds=0.01))
+    return learner, second
+
+
+def test_a_restarted_run_withdraws_what_the_dead_trainer_published_after_its_checkpoint(tmp_path: Path):
+    """The trainer checkpointed at v1, stepped to v2, published it, and died; generators played
+    groups on its v2. The resumed trainer publishes other weights as v2: the old v2 goes, LATEST
+    and the trainer state say v1 again, and the groups played on the old v2 are quarantined as
+    from the future and owed again. Before, they waited for the new v2 and were trained as its."""
+    learner, second = dead_after_publishing_v2(tmp_path)
     played_on_v2 = [write_group(learner, f"s{slot:08d}", seq=slot, version=2) for slot in range(4, 6)]
     assert snapshot_versions(learner.store) == [0, 1, 2] and read_trainer_state(learner.store).version == 2
     resumed = restart_run(tmp_path)
@@ -296,14 +303,7 @@ def test_a_group_played_partly_on_a_withdrawn_snapshot_is_quarantined_after_the_
     others on v2: the shard is keyed v1 (its lowest), so at the resumed v1 it was fine, and once
     the new lineage had published its own v2 its v2 rows were no longer from the future, and
     they were trained as the new v2's."""
-    learner = make_learner(tmp_path)
-    publish_snapshot(learner.store, learner.trainer.model, learner.tokenizer, 0)
-    for slot in range(2):
-        write_group(learner, f"s{slot:08d}", seq=slot)
-    learner.train_step(learner.admit_batch(poll_seconds=0.01))
-    learner._checkpoint()  # the checkpoint at v1
-    second = [write_group(learner, f"s{slot:08d}", seq=slot) for slot in range(2, 4)]
-    learner.train_step(learner.admit_batch(poll_seconds=0.01))  # v2 published, then the trainer dies
+    learner, second = dead_after_publishing_v2(tmp_path)
     rows = [dataclasses.replace(r, group_id="s00000006", policy_version=1 + i // 2) for i, r in enumerate(make_rollouts(n=4))]
     mixed = write_shard(learner.store, rows, "gen0", 6).key
     assert parse_shard_key(mixed).version == 1
